@@ -1,0 +1,81 @@
+"""KV compressor: every `ratio` tokens become one entry by a per-channel softmax pool.
+
+ratio 4 (CSA) overlaps: entry w pools the A half (channels [:d]) of window w-1's tokens
+with the B half ([d:]) of window w's tokens, 2*ratio slots in all. Any other ratio (HCA)
+pools its own window only. Entry w is roped at position w*ratio, and becomes visible
+once token (w+1)*ratio - 1 has been seen.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .linear import Linear
+from .norm import RMSNorm
+from .quant_sim import fp4_sim, fp8_sim, hadamard
+from .rope import apply_rope, cos_sin
+
+
+class Compressor(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, head_dim: int, rotate: bool, dtype=None):
+        super().__init__()
+        self.ratio = cfg.ratio(layer)
+        self.head_dim = head_dim
+        self.overlap = self.ratio == 4
+        self.rotate = rotate          # indexer keys: Hadamard + FP4 in reference numerics
+        self.rope_dim = cfg.rope_dim
+        coff = 2 if self.overlap else 1
+        self.wkv = Linear(cfg.dim, coff * head_dim, dtype=dtype)
+        self.wgate = Linear(cfg.dim, coff * head_dim, dtype=dtype)
+        self.ape = nn.Parameter(torch.empty(self.ratio, coff * head_dim, dtype=torch.float32), requires_grad=False)
+        self.norm = RMSNorm(head_dim, cfg.norm_eps)
+        self.sim = False
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., D], positions [...] -> kv, score [..., coff*d] fp32 (score has its slot's ape)."""
+        xf = x.float()
+        kv = F.linear(xf, self.wkv.weight.float())
+        score = F.linear(xf, self.wgate.weight.float()) + self.ape[positions % self.ratio]
+        return kv, score
+
+    def pool(self, kv: torch.Tensor, score: torch.Tensor, prev: tuple | None = None) -> torch.Tensor:
+        """Complete windows kv, score [B,n,ratio,coff*d] -> entries [B,n,d] fp32.
+
+        prev: the (kv, score) A halves [B,ratio,d] of the window before the first one, if any.
+        """
+        if self.overlap:
+            d = self.head_dim
+            a_kv, a_sc = kv[..., :d], score[..., :d]
+            if prev is None:
+                prev = (torch.zeros_like(a_kv[:, :1]), torch.full_like(a_sc[:, :1], float("-inf")))
+            else:
+                prev = (prev[0][:, None], prev[1][:, None])
+            a_kv = torch.cat((prev[0], a_kv[:, :-1]), dim=1)
+            a_sc = torch.cat((prev[1], a_sc[:, :-1]), dim=1)
+            kv = torch.cat((a_kv, kv[..., d:]), dim=2)       # [B,n,2*ratio,d]
+            score = torch.cat((a_sc, score[..., d:]), dim=2)
+        return (kv * score.softmax(dim=2)).sum(dim=2)
+
+    def finish(self, c: torch.Tensor, entry: torch.Tensor, inv_freq: torch.Tensor, dtype) -> torch.Tensor:
+        """Pooled entries [B,n,d] at entry indices [n] or [B,n] -> normed, roped cache entries."""
+        c = self.norm(c.to(dtype))
+        cos, sin = cos_sin(entry * self.ratio, inv_freq)
+        c = apply_rope(c, cos, sin)
+        if self.sim:
+            if self.rotate:
+                c = fp4_sim(hadamard(c), 32)
+            else:
+                nope = self.head_dim - self.rope_dim
+                c = torch.cat((fp8_sim(c[..., :nope], 64), c[..., nope:]), dim=-1)
+        return c
+
+    def forward(self, x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Whole sequence from position 0: x [B,S,D] -> entries [B, S//ratio, d]."""
+        B, S, _ = x.shape
+        n = S // self.ratio
+        if n == 0:
+            return x.new_zeros(B, 0, self.head_dim)
+        pos = torch.arange(n * self.ratio, device=x.device)
+        kv, score = self.project(x[:, : n * self.ratio], pos)
+        c = self.pool(kv.unflatten(1, (n, self.ratio)), score.unflatten(1, (n, self.ratio)))
+        return self.finish(c, torch.arange(n, device=x.device), inv_freq, x.dtype)

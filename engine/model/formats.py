@@ -1,0 +1,234 @@
+"""Checkpoint number formats of DeepSeek-V4-Flash (spec §4), as pure torch functions.
+
+* E8M0: one unsigned byte per scale, value ``2^(byte-127)``; 0xFF is NaN.
+* FP8: ``float8_e4m3fn`` weights with one E8M0 scale per 128x128 block.
+* MXFP4: e2m1 codes packed two per byte (even column in the low nibble) with one
+  E8M0 scale per 32 consecutive input columns of a row.
+
+Everything dequantizes to fp32. The quantizers choose power-of-two scales exactly the
+way the checkpoint's are chosen, so ``dequant(quant(w))`` is exact whenever ``w`` is
+already on the target grid.
+"""
+
+import torch
+
+__all__ = [
+    "E2M1_VALUES",
+    "FP8_MAX",
+    "FP4_MAX",
+    "e8m0_to_float",
+    "exponent_to_e8m0",
+    "pow2_scale_exponent",
+    "fp8_block_dequant",
+    "fp8_block_quant",
+    "unpack_fp4",
+    "pack_fp4",
+    "fp4_to_float",
+    "float_to_fp4_codes",
+    "mxfp4_dequant",
+    "mxfp4_quant",
+]
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP4_MAX = 6.0  # largest e2m1 magnitude
+
+# e2m1 code -> value; bit 3 is the sign, so codes 8..15 mirror 0..7.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+# Midpoints between neighbouring e2m1 magnitudes, with whether a tie rounds UP
+# (true when the upper neighbour has an even code, i.e. round-half-to-even).
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_FP4_TIE_UP = (False, True, False, True, False, True, False)
+
+
+def _where(name):
+    return f" for {name!r}" if name else ""
+
+
+def _check_2d(t, what, name):
+    if t.dim() != 2:
+        raise ValueError(f"{what}{_where(name)} must be 2-D, got shape {tuple(t.shape)}")
+
+
+def _e8m0_bytes(t, name=None):
+    """View an E8M0 tensor (uint8 or float8_e8m0fnu) as its raw uint8 bytes."""
+    if t.dtype == torch.float8_e8m0fnu:
+        return t.view(torch.uint8)
+    if t.dtype == torch.uint8:
+        return t
+    raise ValueError(f"E8M0 scale{_where(name)} must be uint8 or float8_e8m0fnu, got {t.dtype}")
+
+
+def e8m0_to_float(t, name=None):
+    """E8M0 bytes (uint8 or float8_e8m0fnu) -> fp32 ``2^(byte-127)``; raises on 0xFF (NaN)."""
+    b = _e8m0_bytes(t, name)
+    if bool((b == 0xFF).any()):
+        raise ValueError(f"E8M0 scale{_where(name)} contains 0xFF (NaN)")
+    # exp2 of an integer-valued fp32 is exact; byte 0 gives the fp32 subnormal 2^-127.
+    return torch.exp2(b.to(torch.float32) - 127.0)
+
+
+def exponent_to_e8m0(exp, name=None):
+    """Integer exponents e in [-127, 127] -> float8_e8m0fnu tensor holding ``2^e``."""
+    exp = exp.to(torch.int32)
+    if bool(((exp < -127) | (exp > 127)).any()):
+        raise ValueError(f"E8M0 exponent{_where(name)} out of range [-127, 127]")
+    return (exp + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def pow2_scale_exponent(amax, qmax):
+    """Smallest e with ``amax / 2^e <= qmax``, i.e. ``ceil(log2(amax/qmax))``, clamped to E8M0.
+
+    Uses frexp rather than log2 so exact powers of two never round the wrong way.
+    amax is floored at the smallest normal fp32 so all-zero blocks get a valid scale.
+    """
+    ratio = amax.float().clamp_min(torch.finfo(torch.float32).tiny) / qmax
+    mant, e = torch.frexp(ratio)  # ratio = mant * 2^e, mant in [0.5, 1)
+    exp = torch.where(mant == 0.5, e - 1, e)
+    # The low clamp only ever makes a scale larger than needed (never overflows).
+    return exp.clamp(-127, 127)
+
+
+def _check_finite(w, name):
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"cannot quantize{_where(name)}: tensor has inf/NaN")
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- FP8 (block 128x128)
+
+
+def fp8_block_dequant(w, scale, block=128, name=None):
+    """float8_e4m3fn ``w [out, in]`` with E8M0 ``scale [ceil(out/b), ceil(in/b)]`` -> fp32 ``[out, in]``.
+
+    ``W[i, j] = w[i, j] * scale[i // b, j // b]``; the last row/column block may be ragged.
+    """
+    _check_2d(w, "FP8 weight", name)
+    _check_2d(scale, "FP8 scale", name)
+    if w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"FP8 weight{_where(name)} must be float8_e4m3fn, got {w.dtype}")
+    out_f, in_f = w.shape
+    want = (_ceil_div(out_f, block), _ceil_div(in_f, block))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"FP8 scale shape mismatch{_where(name)}: weight {tuple(w.shape)} with "
+                         f"block {block} needs scale {want}, got {tuple(scale.shape)}")
+    s = e8m0_to_float(scale, name)
+    s = s.repeat_interleave(block, 0).repeat_interleave(block, 1)[:out_f, :in_f]
+    return w.to(torch.float32) * s
+
+
+def fp8_block_quant(w, block=128, name=None):
+    """fp32 ``w [out, in]`` -> (float8_e4m3fn weight, float8_e8m0fnu scale) per ``block``x``block``.
+
+    Each block gets scale ``2^ceil(log2(amax/448))`` so the scaled block fits e4m3 without
+    clipping; the cast to e4m3 rounds to nearest even.
+    """
+    _check_2d(w, "FP8 weight", name)
+    _check_finite(w, name)
+    w = w.float()
+    out_f, in_f = w.shape
+    ob, ib = _ceil_div(out_f, block), _ceil_div(in_f, block)
+    # Zero-pad ragged edges so every block is full; padding never raises an amax.
+    padded = w.new_zeros(ob * block, ib * block)
+    padded[:out_f, :in_f] = w
+    amax = padded.view(ob, block, ib, block).abs().amax(dim=(1, 3))  # [ob, ib]
+    exp = pow2_scale_exponent(amax, FP8_MAX)
+    s = torch.exp2(exp.float()).repeat_interleave(block, 0).repeat_interleave(block, 1)
+    q = (w / s[:out_f, :in_f]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, exponent_to_e8m0(exp, name)
+
+
+# ----------------------------------------------------------------------------- FP4 e2m1 codes
+
+
+def unpack_fp4(packed, name=None):
+    """Packed FP4 ``[out, in/2]`` (int8 or uint8) -> codes uint8 ``[out, in]``.
+
+    Byte k holds column 2k in its low nibble and column 2k+1 in its high nibble.
+    """
+    _check_2d(packed, "packed FP4 weight", name)
+    if packed.dtype not in (torch.int8, torch.uint8):
+        raise ValueError(f"packed FP4 weight{_where(name)} must be int8/uint8, got {packed.dtype}")
+    b = packed.view(torch.uint8)
+    codes = torch.stack((b & 0x0F, b >> 4), dim=-1)  # [out, in/2, 2]
+    return codes.reshape(b.shape[0], b.shape[1] * 2)
+
+
+def pack_fp4(codes, name=None):
+    """Codes ``[out, in]`` (values 0..15) -> packed int8 ``[out, in/2]``, even column in the low nibble."""
+    _check_2d(codes, "FP4 codes", name)
+    if codes.shape[1] % 2:
+        raise ValueError(f"FP4 codes{_where(name)} need an even column count, got {tuple(codes.shape)}")
+    c = codes.to(torch.int32)
+    if bool(((c < 0) | (c > 15)).any()):
+        raise ValueError(f"FP4 codes{_where(name)} must be in [0, 15]")
+    c = c.view(c.shape[0], -1, 2)
+    b = (c[..., 0] | (c[..., 1] << 4)).to(torch.uint8)
+    return b.view(torch.int8)
+
+
+def fp4_to_float(codes):
+    """e2m1 codes (any shape, values 0..15) -> fp32 values via the code table."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
+
+
+def float_to_fp4_codes(x):
+    """fp values -> e2m1 codes uint8: clamp to +-6, then round to nearest, ties to even code.
+
+    The sign bit follows the input's sign, so small negatives become -0 (code 8).
+    """
+    x = x.float()
+    if bool(torch.isnan(x).any()):
+        raise ValueError("cannot convert NaN to FP4")
+    a = x.abs().clamp_max(FP4_MAX)
+    mag = torch.zeros_like(a, dtype=torch.int32)
+    for mid, tie_up in zip(_FP4_MIDPOINTS, _FP4_TIE_UP):
+        mag += (a >= mid if tie_up else a > mid).to(torch.int32)
+    sign = torch.signbit(x).to(torch.int32) << 3
+    return (mag | sign).to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- MXFP4 (routed experts)
+
+
+def mxfp4_dequant(weight, scale, block=32, name=None):
+    """Packed FP4 ``weight [out, in/2]`` with E8M0 ``scale [out, in/block]`` -> fp32 ``[out, in]``.
+
+    ``W[r, c] = fp4(r, c) * 2^(scale[r, c // block] - 127)``.
+    """
+    codes = unpack_fp4(weight, name)  # [out, in]
+    _check_2d(scale, "MXFP4 scale", name)
+    out_f, in_f = codes.shape
+    if in_f % block:
+        raise ValueError(f"MXFP4 weight{_where(name)}: in={in_f} is not a multiple of block {block}")
+    want = (out_f, in_f // block)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"MXFP4 scale shape mismatch{_where(name)}: packed weight "
+                         f"{tuple(weight.shape)} (in={in_f}) needs scale {want}, got {tuple(scale.shape)}")
+    s = e8m0_to_float(scale, name)  # [out, in/block]
+    vals = fp4_to_float(codes).view(out_f, in_f // block, block)
+    return (vals * s.unsqueeze(-1)).view(out_f, in_f)
+
+
+def mxfp4_quant(w, block=32, name=None):
+    """fp32 ``w [out, in]`` -> (packed int8 ``[out, in/2]``, float8_e8m0fnu scale ``[out, in/block]``).
+
+    Per row and ``block`` columns the scale is ``2^ceil(log2(amax/6))``; values then round
+    to nearest even on the e2m1 grid.
+    """
+    _check_2d(w, "MXFP4 weight", name)
+    _check_finite(w, name)
+    out_f, in_f = w.shape
+    if in_f % block or block % 2:
+        raise ValueError(f"MXFP4 weight{_where(name)}: in={in_f} must be a multiple of an even "
+                         f"block ({block})")
+    blocks = w.float().view(out_f, in_f // block, block)
+    exp = pow2_scale_exponent(blocks.abs().amax(dim=-1), FP4_MAX)  # [out, in/block]
+    scaled = blocks / torch.exp2(exp.float()).unsqueeze(-1)
+    codes = float_to_fp4_codes(scaled).view(out_f, in_f)
+    return pack_fp4(codes, name), exponent_to_e8m0(exp, name)

@@ -1,0 +1,55 @@
+"""Lightning indexer (CSA layers): picks the top-k compressed entries per query.
+
+score[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s]), causal over entries s < (t+1)//4.
+Its keys come from its own overlapping 4:1 compressor at index_head_dim. No softmax.
+"""
+import torch
+from torch import nn
+
+from .compressor import Compressor
+from .config import ModelConfig
+from .linear import Linear
+from .quant_sim import fp4_sim, hadamard
+from .rope import apply_rope
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype=None):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.ratio = cfg.ratio(layer)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, "fp8", dtype=dtype)
+        self.weights_proj = Linear(cfg.dim, self.n_heads, dtype=dtype)
+        self.compressor = Compressor(cfg, layer, self.head_dim, rotate=True, dtype=dtype)
+        self.sim = False
+
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """-> q [..., H, d] and head weights [..., H] (fp32, scales folded in)."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = apply_rope(q, cos[..., None, :], sin[..., None, :])
+        if self.sim:
+            q = fp4_sim(hadamard(q), 32)
+        w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        return q, w
+
+    @staticmethod
+    def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """q [B,S,H,d], w [B,S,H], keys [B,N,d] -> [B,S,N] fp32."""
+        s = torch.einsum("bshd,bnd->bshn", q.float(), keys.float()).relu()
+        return (s * w[..., None]).sum(dim=2)
+
+    def select(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Causal top-k: scores [B,S,N], positions [S] -> entry ids [B,S,k], -1 where none."""
+        n = scores.shape[-1]
+        k = min(self.topk, n)
+        visible = (positions + 1) // self.ratio                             # entries s < visible[t]
+        future = torch.arange(n, device=scores.device) >= visible[:, None]  # [S,N]
+        idx = scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
+        return torch.where(idx < visible[:, None], idx, -1)
+
+    def forward(self, x, qr, cos, sin, positions, inv_freq):
+        """Whole sequence: -> (top-k entry ids [B,S,k], scores [B,S,N]) ; scores kept for tie checks."""
+        keys = self.compressor(x, inv_freq)
+        q, w = self.queries(x, qr, cos, sin)
+        scores = self.scores(q, w, keys)
+        return self.select(scores, positions), scores

@@ -1,0 +1,212 @@
+"""Checkpoint loading: safetensors (single file or sharded), official or transformers names.
+
+Tensors are read memory-mapped and converted one at a time: FP8 e4m3 weights with
+E8M0 128x128 `.scale`, MXFP4 experts (two e2m1 per byte, E8M0 per 32) and plain
+bf16/fp32. Every parameter must be filled exactly once, with the right shape; anything
+missing, unexpected or malformed is an error naming the tensor.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .formats import fp8_block_dequant, mxfp4_dequant
+from .model import Transformer
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model; the message names the tensor."""
+
+
+class Checkpoint:
+    """Name -> tensor over one or many safetensors files, opened lazily, memory-mapped."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"no *.safetensors files in {path}")
+            weight_map = {}
+            for f in files:
+                with safe_open(f, framework="pt") as sf:
+                    weight_map.update({k: f.name for k in sf.keys()})
+        self.dir, self.weight_map, self._open = path, weight_map, {}
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        fname = self.weight_map[name]
+        if fname not in self._open:
+            f = self.dir / fname
+            if not f.exists():
+                raise CheckpointError(f"tensor {name}: shard {fname} listed in the index is missing")
+            self._open[fname] = safe_open(f, framework="pt")
+        try:
+            return self._open[fname].get_tensor(name)
+        except Exception as e:  # a name in the index but not in the shard
+            raise CheckpointError(f"tensor {name}: cannot be read from {fname} ({e})") from None
+
+
+# transformers' DeepseekV4 names -> DeepSeek's; applied in order to names without `model.`.
+_HF_RENAMES = [
+    (r"^embed_tokens\.", "embed."), (r"^lm_head\.", "head."),
+    (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"\.input_layernorm\.", ".attn_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
+    (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+    (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+    (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
+    (r"\.self_attn\.", ".attn."), (r"\.mlp\.", ".ffn."),
+    (r"\.sinks$", ".attn_sink"), (r"\.q_a_proj\.", ".wq_a."), (r"\.q_a_norm\.", ".q_norm."),
+    (r"\.q_b_proj\.", ".wq_b."), (r"\.o_a_proj\.", ".wo_a."), (r"\.o_b_proj\.", ".wo_b."),
+    (r"\.compressor\.kv_proj\.", ".compressor.wkv."), (r"\.compressor\.gate_proj\.", ".compressor.wgate."),
+    (r"\.compressor\.position_bias$", ".compressor.ape"), (r"\.compressor\.kv_norm\.", ".compressor.norm."),
+    (r"\.attn\.kv_proj\.", ".attn.wkv."),
+    (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."), (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
+    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+]
+_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+
+
+def hf_to_official(name: str) -> str:
+    name = name.removeprefix("model.")
+    for pat, rep in _HF_RENAMES:
+        name = re.sub(pat, rep, name)
+    return name
+
+
+def _dequant(ckpt: Checkpoint, name: str, fmt_hint: str | None = None) -> torch.Tensor:
+    """Read `name` (a `.weight`) and apply its companion `.scale`, if any."""
+    w = ckpt.get(name)
+    scale_name = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
+    has_scale = scale_name is not None and scale_name in ckpt
+    if w.dtype == torch.float8_e4m3fn:
+        if not has_scale:
+            raise CheckpointError(f"tensor {name}: FP8 weight without its scale {scale_name}")
+        return fp8_block_dequant(w, ckpt.get(scale_name), name=name)
+    if w.dtype in (torch.int8, torch.uint8):
+        if not has_scale:
+            raise CheckpointError(f"tensor {name}: packed FP4 weight without its scale {scale_name}")
+        return mxfp4_dequant(w, ckpt.get(scale_name), name=name)
+    if has_scale:
+        raise CheckpointError(f"tensor {name}: has a scale {scale_name} but dtype {w.dtype} is not FP8/FP4")
+    if not (w.is_floating_point() or name.endswith("tid2eid")):
+        raise CheckpointError(f"tensor {name}: unexpected dtype {w.dtype}")
+    return w
+
+
+class _Filler:
+    """Tracks which parameters (and expert slices) have been written."""
+
+    def __init__(self, model: Transformer):
+        self.params = dict(model.named_parameters())
+        self.params.update(model.named_buffers(remove_duplicate=False))
+        self.params = {k: v for k, v in self.params.items() if not k.endswith("inv_freq")}
+        self.done: set = set()
+
+    def put(self, target: str, value: torch.Tensor, src: str, index: int | None = None):
+        if target not in self.params:
+            raise CheckpointError(f"unexpected tensor {src} (no parameter {target} in this model)")
+        p = self.params[target]
+        key = (target, index)
+        dest = p if index is None else (p[index] if 0 <= index < p.shape[0] else None)
+        if dest is None:
+            raise CheckpointError(f"tensor {src}: expert index {index} out of range [0, {p.shape[0]})")
+        if key in self.done:
+            raise CheckpointError(f"tensor {src}: {target} given twice")
+        if tuple(value.shape) != tuple(dest.shape):
+            raise CheckpointError(f"tensor {src}: shape {tuple(value.shape)}, expected {tuple(dest.shape)}")
+        if target.endswith("tid2eid"):
+            if value.is_floating_point():
+                raise CheckpointError(f"tensor {src}: tid2eid must be integer, got {value.dtype}")
+            n_exp = self.params[target.replace("tid2eid", "weight")].shape[0]
+            if value.numel() and (value.min() < 0 or value.max() >= n_exp):
+                raise CheckpointError(f"tensor {src}: expert ids outside [0, {n_exp})")
+        with torch.no_grad():
+            dest.copy_(value.to(dest.dtype))
+        self.done.add(key)
+
+    def check_complete(self):
+        missing = []
+        for name, p in self.params.items():
+            if name.endswith(("experts.w1", "experts.w2", "experts.w3")):
+                missing += [f"{name}[{e}]" for e in range(p.shape[0]) if (name, e) not in self.done
+                            and (name, None) not in self.done]
+            elif (name, None) not in self.done:
+                missing.append(name)
+        if missing:
+            head = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+            raise CheckpointError(f"missing tensors: {head}")
+
+
+def load_model(path: str | Path, device="cpu", dtype=torch.float32, numerics: str = "plain",
+               with_mtp: bool | None = None) -> Transformer:
+    """Build the model from `path`'s config.json and fill it from its safetensors.
+
+    with_mtp: None loads the MTP block when the checkpoint has one (transformers drops
+    it on save); True requires it; False skips it.
+    """
+    path = Path(path)
+    cfg = ModelConfig.from_file(path)
+    ckpt = Checkpoint(path)
+    names = ckpt.names()
+    hf_style = any(n.startswith(("model.", "lm_head.")) for n in names)
+    has_mtp = any(n.startswith("mtp.") for n in names)
+    if with_mtp is None:
+        with_mtp = has_mtp
+        if cfg.n_mtp_layers and not has_mtp:
+            log.warning("%s: config declares an MTP block but the checkpoint has none; loading without it", path)
+    elif with_mtp and cfg.n_mtp_layers and not has_mtp:
+        raise CheckpointError("missing tensors: mtp.0.* (the MTP block)")
+    with torch.device(device):
+        model = Transformer(cfg, dtype=dtype, with_mtp=with_mtp)
+    filler = _Filler(model)
+    for name in names:
+        if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in ckpt:
+            continue  # read together with its weight
+        if name.startswith("mtp.") and not len(model.mtp):
+            continue
+        if hf_style:
+            _load_hf_tensor(ckpt, name, filler, device)
+            continue
+        m = _EXPERT.match(name)
+        value = _dequant(ckpt, name).to(device)
+        if m:
+            filler.put(f"{m[1]}.{m[3]}", value, name, int(m[2]))
+        else:
+            filler.put(name, value, name)
+    filler.check_complete()
+    return model.set_numerics(numerics).eval()
+
+
+def _load_hf_tensor(ckpt: Checkpoint, name: str, filler: _Filler, device):
+    off = hf_to_official(name)
+    value = _dequant(ckpt, name).to(device)
+    if off.endswith(".ffn.experts.gate_up_proj"):
+        base = off[: -len("gate_up_proj")]
+        if value.dim() != 3 or value.shape[1] % 2:
+            raise CheckpointError(f"tensor {name}: shape {tuple(value.shape)} is not [E, 2*I, D]")
+        w1, w3 = value.chunk(2, dim=1)
+        filler.put(base + "w1", w1, name)
+        filler.put(base + "w3", w3, name)
+    elif off.endswith(".ffn.experts.down_proj"):
+        filler.put(off[: -len("down_proj")] + "w2", value, name)
+    else:
+        filler.put(off, value, name)

@@ -1,0 +1,75 @@
+"""The whole network: embedding -> 4 identical streams -> blocks -> hc_head -> norm -> head."""
+import torch
+from torch import nn
+
+from .block import Block
+from .config import ModelConfig
+from .linear import Embedding, Linear
+from .mhc import hc_head
+from .mtp import MTPBlock
+from .norm import RMSNorm
+
+NUMERICS = ("plain", "reference")
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype=torch.float32, with_mtp: bool = True):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.embed = Embedding(cfg.vocab_size, cfg.dim, dtype=dtype)
+        self.layers = nn.ModuleList(Block(cfg, i, dtype=dtype) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = Linear(cfg.dim, cfg.vocab_size, dtype=dtype)
+        hc = cfg.hc_mult
+        self.hc_head_fn = nn.Parameter(torch.empty(hc, hc * cfg.dim, dtype=torch.float32), requires_grad=False)
+        self.hc_head_base = nn.Parameter(torch.empty(hc, dtype=torch.float32), requires_grad=False)
+        self.hc_head_scale = nn.Parameter(torch.empty(1, dtype=torch.float32), requires_grad=False)
+        self.mtp = nn.ModuleList(MTPBlock(cfg, dtype=dtype) for _ in range(cfg.n_mtp_layers if with_mtp else 0))
+        self.numerics = "plain"
+
+    def set_numerics(self, mode: str) -> "Transformer":
+        """`plain`: no simulation (equals transformers' DeepseekV4). `reference`: DeepSeek's QAT
+        simulation: FP8 KV nope dims, Hadamard + FP4 indexer, FP8 activations into FP8/FP4 GEMMs."""
+        if mode not in NUMERICS:
+            raise ValueError(f"numerics must be one of {NUMERICS}, got {mode!r}")
+        self.numerics = mode
+        on = mode == "reference"
+        for name, m in self.named_modules():
+            if hasattr(m, "sim"):
+                m.sim = on
+            if hasattr(m, "act_sim"):
+                quantized = getattr(m, "fmt", "fp4" if self.cfg.expert_dtype in ("fp4", "fp8") else "bf16")
+                # wo_a is dequantised to bf16 by DeepSeek's converter: its input is not rounded.
+                m.act_sim = on and quantized in ("fp8", "fp4") and not name.endswith("wo_a")
+        return self
+
+    def hidden(self, input_ids: torch.Tensor, attn_fns=None) -> torch.Tensor:
+        """ids [B,S] -> the last block's output streams [B,S,hc,D]."""
+        h = self.embed(input_ids)[:, :, None, :].expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.layers):
+            h = layer(h, input_ids, attn_fns[i] if attn_fns else None)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Streams [...,hc,D] -> fp32 logits [...,V]."""
+        y = self.norm(hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base,
+                              self.cfg.hc_eps, self.cfg.norm_eps))
+        return self.head_logits(y)
+
+    def head_logits(self, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(y.float(), self.head.weight.float())
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The cache-free oracle: whole sequences from position 0. ids [B,S] -> logits [B,S,V]."""
+        return self.logits(self.hidden(input_ids))
+
+    @torch.inference_mode()
+    def forward_mtp(self, h_main: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """Next-next-token logits: h_main [B,S,hc,D] (hidden() at positions t), next_ids [B,S]
+        (the tokens at t+1) -> logits [B,S,V] for the tokens at t+2."""
+        if not len(self.mtp):
+            raise RuntimeError("this checkpoint has no MTP block")
+        mtp = self.mtp[0]
+        h = mtp.hidden(h_main, self.embed(next_ids), next_ids)
+        return self.head_logits(mtp.collapse(h))

@@ -1,0 +1,123 @@
+"""MoE: score-routed or hash-routed (first layers) top-k experts plus one shared expert.
+
+Gate: scores = sqrt(softplus(x W^T)); the bias only steers which experts are chosen
+("noaux_tc"); the chosen scores are renormalised and scaled by route_scale. Hash layers
+choose by a fixed token -> experts table instead. Experts are SwiGLU with the gate
+clamped above and the up projection clamped both ways at swiglu_limit.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .linear import Linear
+from .quant_sim import fp8_sim
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    g, u = g.float(), u.float()
+    if limit > 0:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return F.silu(g) * u
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype=None):
+        super().__init__()
+        self.topk, self.score_func = cfg.n_activated_experts, cfg.score_func
+        self.route_scale, self.norm_topk = cfg.route_scale, cfg.norm_topk_prob
+        self.is_hash = cfg.is_hash_layer(layer)
+        E = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(E, cfg.dim, dtype=dtype), requires_grad=False)
+        if self.is_hash:
+            self.register_buffer("tid2eid", torch.empty(cfg.vocab_size, self.topk, dtype=torch.long))
+        else:
+            self.bias = nn.Parameter(torch.empty(E, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T,D], ids [T] -> routing weights [T,k] fp32, expert ids [T,k]."""
+        logits = F.linear(x.float(), self.weight.float())
+        if self.score_func == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        elif self.score_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(-1)
+        if self.is_hash:
+            idx = self.tid2eid[ids]
+        else:
+            idx = (scores + self.bias).topk(self.topk, dim=-1).indices
+        w = scores.gather(-1, idx)
+        if self.norm_topk and self.score_func != "softmax":
+            w = w / w.sum(-1, keepdim=True)
+        return w * self.route_scale, idx
+
+
+class Experts(nn.Module):
+    """All routed experts stacked: w1, w3 [E,I,D] (gate, up), w2 [E,D,I] (down)."""
+
+    def __init__(self, cfg: ModelConfig, dtype=None):
+        super().__init__()
+        E, I, D = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
+        self.limit = cfg.swiglu_limit
+        self.w1 = nn.Parameter(torch.empty(E, I, D, dtype=dtype), requires_grad=False)
+        self.w3 = nn.Parameter(torch.empty(E, I, D, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, D, I, dtype=dtype), requires_grad=False)
+        self.act_sim = False
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Torch reference: x [T,D], weights/idx [T,k] -> sum_k w * expert_k(x) [T,D] fp32.
+
+        Loops over the experts that have tokens (host sync): the oracle, not the decode path.
+        """
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        xs = fp8_sim(x, 128) if self.act_sim else x
+        flat = idx.flatten()
+        order = flat.argsort()
+        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[start:start + n]
+            start += n
+            tok = sel // idx.shape[1]
+            xe = xs[tok]
+            a = swiglu(F.linear(xe, self.w1[e]), F.linear(xe, self.w3[e]), self.limit)
+            a = (a * weights.flatten()[sel, None]).to(x.dtype)
+            if self.act_sim:
+                a = fp8_sim(a, 128)
+            out.index_add_(0, tok, F.linear(a, self.w2[e]).float())
+        return out
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype=None):
+        super().__init__()
+        fmt = "fp8" if cfg.fp8_linears else "bf16"
+        I = cfg.moe_inter_dim * cfg.n_shared_experts
+        self.w1 = Linear(cfg.dim, I, fmt, dtype=dtype)
+        self.w3 = Linear(cfg.dim, I, fmt, dtype=dtype)
+        self.w2 = Linear(I, cfg.dim, fmt, dtype=dtype)
+        self.limit = cfg.swiglu_limit  # clamped, as the current official reference does
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype=None):
+        super().__init__()
+        self.gate = Gate(cfg, layer, dtype=dtype)
+        self.experts = Experts(cfg, dtype=dtype)
+        self.shared_experts = SharedExpert(cfg, dtype=dtype) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [...,D], ids [...] (token ids, for hash routing) -> [...,D]."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        w, idx = self.gate(x, ids.reshape(-1))
+        y = self.experts(x, w, idx)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x).float()
+        return y.to(x.dtype).reshape(shape)

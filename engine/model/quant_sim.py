@@ -1,0 +1,57 @@
+"""DeepSeek's quantisation-aware numerics, simulated (quantise then dequantise in place).
+
+Used only in `reference` numerics: the official inference code rounds the KV cache's
+non-rope channels through FP8, the indexer's queries and keys through a Hadamard
+rotation and FP4, and every FP8/FP4 GEMM's activations through FP8 per 128 channels.
+All scales are powers of two (UE8M0).
+"""
+import torch
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+
+
+def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    return torch.exp2(torch.ceil(torch.log2(amax / qmax)))
+
+
+def fp8_sim(x: torch.Tensor, block: int) -> torch.Tensor:
+    """e4m3 round trip per `block` channels of the last dim."""
+    xb = x.float().unflatten(-1, (-1, block))
+    s = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp(min=1e-4), FP8_MAX)
+    q = (xb / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return (q * s).flatten(-2).to(x.dtype)
+
+
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round to the nearest e2m1 value (0, .5, 1, 1.5, 2, 3, 4, 6), ties to the even code."""
+    a = x.abs()
+    y = torch.where(a <= 0.25, 0.0,
+        torch.where(a < 0.75, 0.5,
+        torch.where(a <= 1.25, 1.0,
+        torch.where(a < 1.75, 1.5,
+        torch.where(a <= 2.5, 2.0,
+        torch.where(a < 3.5, 3.0,
+        torch.where(a <= 5.0, 4.0, 6.0)))))))
+    return torch.copysign(y, x)
+
+
+def fp4_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """e2m1 round trip per `block` channels of the last dim."""
+    xb = x.float().unflatten(-1, (-1, block))
+    s = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp(min=FP4_MAX * 2.0 ** -126), FP4_MAX)
+    q = round_e2m1((xb / s).clamp(-FP4_MAX, FP4_MAX))
+    return (q * s).flatten(-2).to(x.dtype)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Walsh-Hadamard transform (Sylvester order) over the last dim, scaled by n^-1/2."""
+    n = x.shape[-1]
+    assert n & (n - 1) == 0, "Hadamard size must be a power of two"
+    shape, y, h = x.shape, x.float(), 1
+    while h < n:
+        y = y.reshape(*shape[:-1], n // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2)
+        h *= 2
+    return (y.reshape(shape) * n ** -0.5).to(x.dtype)

@@ -1,0 +1,50 @@
+"""Rotary embedding on the last `rope_dim` channels, interleaved pairs (GPT-J style).
+
+Pairs (2i, 2i+1) of the rope slice are one complex number rotated by pos * f_i.
+Sliding layers use `rope_theta` plainly; compressed layers use `compress_rope_theta`
+with DeepSeek's YaRN ramp and no mscale.
+"""
+import math
+
+import torch
+
+from .config import ModelConfig, YarnParams
+
+
+def inv_freq(rope_dim: int, base: float, yarn: YarnParams | None) -> torch.Tensor:
+    inv = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if yarn is None:
+        return inv
+
+    def corr(rotations: float) -> float:
+        return rope_dim * math.log(yarn.original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(corr(yarn.beta_fast)), 0)
+    high = min(math.ceil(corr(yarn.beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv / yarn.factor * ramp + inv * (1 - ramp)
+
+
+def layer_inv_freq(cfg: ModelConfig, layer: int) -> torch.Tensor:
+    if cfg.ratio(layer) == 0:
+        return inv_freq(cfg.rope_dim, cfg.rope_theta, None)
+    return inv_freq(cfg.rope_dim, cfg.compress_rope_theta, cfg.yarn)
+
+
+def cos_sin(positions: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] int -> cos, sin [..., rope_dim/2] fp32."""
+    angles = positions.float()[..., None] * inv.to(positions.device)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last 2*cos.shape[-1] channels of x; cos/sin broadcast against x[..., :R/2]."""
+    r = 2 * cos.shape[-1]
+    nope, rope = x[..., :-r], x[..., -r:].float().unflatten(-1, (r // 2, 2))
+    x0, x1 = rope[..., 0], rope[..., 1]
+    if inverse:
+        sin = -sin
+    out = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
+    return torch.cat((nope, out.to(x.dtype)), dim=-1)
