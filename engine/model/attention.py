@@ -16,16 +16,14 @@ from .indexer import Indexer
 from .linear import Linear
 from .norm import RMSNorm, rms_norm
 from .quant_sim import fp8_sim
+from .kv_cache import LayerCache, StepContext, entry_loc, window_keys
 from .rope import apply_rope, cos_sin, layer_inv_freq
 
 
-def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
-                scale: float) -> torch.Tensor:
-    """Torch reference. q [B,S,H,D], kv [B,N,D], idx [B,S,K] into kv (-1 = none), sink [H]
-    -> o [B,S,H,D]: softmax over the selected keys plus a value-less sink logit."""
-    B = q.shape[0]
-    valid = idx >= 0
-    keys = kv[torch.arange(B, device=kv.device)[:, None, None], idx.clamp(min=0)]      # [B,S,K,D]
+def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """Torch reference. q [B,S,H,D], gathered keys (= values) [B,S,K,D], valid [B,S,K], sink [H]
+    -> o [B,S,H,D]: softmax over the valid keys plus a value-less sink logit per head."""
     s = torch.einsum("bshd,bskd->bshk", q.float(), keys.float()) * scale
     s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
     m = torch.maximum(s.amax(-1), sink.float())                                          # [B,S,H]
@@ -33,6 +31,14 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torc
     denom = p.sum(-1) + torch.exp(sink.float() - m)
     o = torch.einsum("bshk,bskd->bshd", p, keys.float()) / denom[..., None]
     return o.to(q.dtype)
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """q [B,S,H,D] against kv [B,N,D] at indices idx [B,S,K] (-1 = none) -> o [B,S,H,D]."""
+    B = q.shape[0]
+    keys = kv[torch.arange(B, device=kv.device)[:, None, None], idx.clamp(min=0)]      # [B,S,K,D]
+    return attend(q, keys, idx >= 0, sink, scale)
 
 
 def window_indices(positions: torch.Tensor, window: int) -> torch.Tensor:
@@ -100,4 +106,24 @@ class Attention(nn.Module):
             idx = torch.cat((idx, torch.where(sel >= 0, sel + S, -1)), dim=-1)
             kv = torch.cat((kv, comp), dim=1)
         o = sparse_attn(q, kv, idx, self.attn_sink, self.scale)
+        return self.output(o, cos, sin)
+
+    def forward_cached(self, x: torch.Tensor, ctx: StepContext, cache: LayerCache) -> torch.Tensor:
+        """This step's tokens x [B,S,D] against the engine's cache -> [B,S,D]; updates the cache."""
+        pos = ctx.positions
+        cos, sin = cos_sin(pos, self.inv_freq)
+        q, kv, qr = self.qkv(x, cos, sin)
+        keys, valid = window_keys(kv, ctx, cache.window)
+        if self.compressor is not None:
+            self.compressor.step(x, ctx, cache.kv_state, cache.score_state, cache.kv, self.inv_freq)
+            n = ctx.max_len // self.ratio                      # entries visible to the latest token
+            if self.indexer is not None:
+                sel = self.indexer.forward_cached(x, qr, cos, sin, ctx, cache, n, self.inv_freq)
+            else:
+                ent = torch.arange(n, device=x.device)
+                sel = torch.where(ent < ((pos + 1) // self.ratio)[..., None], ent, -1)    # [B,S,n]
+            loc = entry_loc(ctx.block_table, ctx.block_tokens, sel.clamp(min=0), self.ratio)
+            keys = torch.cat((keys, cache.kv.flatten(0, 1)[loc].to(keys.dtype)), dim=2)
+            valid = torch.cat((valid, sel >= 0), dim=2)
+        o = attend(q, keys, valid, self.attn_sink, self.scale)
         return self.output(o, cos, sin)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .kv_cache import entry_loc
 from .linear import Linear
 from .norm import RMSNorm
 from .quant_sim import fp4_sim, fp8_sim, hadamard
@@ -79,3 +80,59 @@ class Compressor(nn.Module):
         kv, score = self.project(x[:, : n * self.ratio], pos)
         c = self.pool(kv.unflatten(1, (n, self.ratio)), score.unflatten(1, (n, self.ratio)))
         return self.finish(c, torch.arange(n, device=x.device), inv_freq, x.dtype)
+
+    # ---- with the engine's cache: running state per sequence slot, entries in the block pool ----
+    def step(self, x: torch.Tensor, ctx, kv_state: torch.Tensor, score_state: torch.Tensor,
+             store: torch.Tensor, inv_freq: torch.Tensor):
+        """Feed this step's tokens x [B,S,D]; complete windows become entries in `store`."""
+        if ctx.decode:
+            self._decode(x[:, 0], ctx, kv_state, score_state, store.flatten(0, 1), inv_freq)
+        else:
+            for b, start in enumerate(ctx.starts):
+                self._prefill(x[b], b, start, ctx, kv_state, score_state, store.flatten(0, 1), inv_freq)
+
+    def _decode(self, x, ctx, kv_state, score_state, store, inv_freq):
+        """One token per row, no host sync: the pooled entry is always computed and written to
+        its block when the window completes, else to the never-read block 0."""
+        r, d, slots, pos = self.ratio, self.head_dim, ctx.slots, ctx.positions[:, 0]
+        kv, score = self.project(x, pos)                                  # [B, coff*d]
+        off = r if self.overlap else 0
+        kv_state[slots, off + pos % r] = kv
+        score_state[slots, off + pos % r] = score
+        st_kv, st_sc = kv_state[slots], score_state[slots]                # [B, coff*r, coff*d]
+        prev = (st_kv[:, :r, :d], st_sc[:, :r, :d]) if self.overlap else None
+        pooled = self.pool(st_kv[:, None, off:], st_sc[:, None, off:], prev)
+        entry = pos // r
+        c = self.finish(pooled, entry[:, None], inv_freq, x.dtype)[:, 0]
+        emit = (pos + 1) % r == 0
+        loc = torch.where(emit, entry_loc(ctx.block_table, ctx.block_tokens, entry[:, None], r)[:, 0], 0)
+        store.index_copy_(0, loc, c.to(store.dtype))
+        if self.overlap:  # the finished window becomes the previous one
+            e = emit[:, None, None]
+            kv_state[slots, :r] = torch.where(e, st_kv[:, r:], st_kv[:, :r])
+            score_state[slots, :r] = torch.where(e, st_sc[:, r:], st_sc[:, :r])
+
+    def _prefill(self, x, b, start, ctx, kv_state, score_state, store, inv_freq):
+        """Row b's chunk x [S,D] at positions start.. : windows it completes are emitted at once."""
+        r, d, slot = self.ratio, self.head_dim, ctx.slots[b]
+        S = x.shape[0]
+        end = start + S
+        kv, score = self.project(x, torch.arange(start, end, device=x.device))
+        off = r if self.overlap else 0
+        w0 = start // r
+        n_old = start - w0 * r                        # the open window's tokens already in the state
+        kv = torch.cat((kv_state[slot, off:off + n_old], kv))        # positions w0*r .. end-1
+        score = torch.cat((score_state[slot, off:off + n_old], score))
+        n_emit = end // r - w0
+        if n_emit > 0:
+            kvw = kv[: n_emit * r].unflatten(0, (n_emit, r))[None]
+            scw = score[: n_emit * r].unflatten(0, (n_emit, r))[None]
+            prev = (kv_state[slot, None, :r, :d], score_state[slot, None, :r, :d]) if self.overlap else None
+            entries = torch.arange(w0, w0 + n_emit, device=x.device)
+            c = self.finish(self.pool(kvw, scw, prev), entries, inv_freq, x.dtype)[0]
+            store[entry_loc(ctx.block_table[b:b + 1], ctx.block_tokens, entries[None], r)[0]] = c.to(store.dtype)
+            if self.overlap:
+                kv_state[slot, :r], score_state[slot, :r] = kvw[0, -1], scw[0, -1]
+        rest = S + n_old - n_emit * r
+        kv_state[slot, off:off + rest] = kv[n_emit * r:]
+        score_state[slot, off:off + rest] = score[n_emit * r:]

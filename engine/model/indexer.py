@@ -8,6 +8,7 @@ from torch import nn
 
 from .compressor import Compressor
 from .config import ModelConfig
+from .kv_cache import entry_loc
 from .linear import Linear
 from .quant_sim import fp4_sim, hadamard
 from .rope import apply_rope
@@ -39,13 +40,13 @@ class Indexer(nn.Module):
         return (s * w[..., None]).sum(dim=2)
 
     def select(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Causal top-k: scores [B,S,N], positions [S] -> entry ids [B,S,k], -1 where none."""
+        """Causal top-k: scores [B,S,N], positions [S] or [B,S] -> entry ids [B,S,k], -1 where none."""
         n = scores.shape[-1]
         k = min(self.topk, n)
-        visible = (positions + 1) // self.ratio                             # entries s < visible[t]
-        future = torch.arange(n, device=scores.device) >= visible[:, None]  # [S,N]
+        visible = ((positions + 1) // self.ratio)[..., None]               # entries s < visible[t]
+        future = torch.arange(n, device=scores.device) >= visible          # [(B,)S,N]
         idx = scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
-        return torch.where(idx < visible[:, None], idx, -1)
+        return torch.where(idx < visible, idx, -1)
 
     def forward(self, x, qr, cos, sin, positions, inv_freq):
         """Whole sequence: -> (top-k entry ids [B,S,k], scores [B,S,N]) ; scores kept for tie checks."""
@@ -53,3 +54,13 @@ class Indexer(nn.Module):
         q, w = self.queries(x, qr, cos, sin)
         scores = self.scores(q, w, keys)
         return self.select(scores, positions), scores
+
+    def forward_cached(self, x, qr, cos, sin, ctx, cache, n: int, inv_freq) -> torch.Tensor:
+        """With the engine's cache: update the indexer keys, score the first n entries of
+        each row's sequence -> top-k entry ids [B,S,k] (-1 where none)."""
+        self.compressor.step(x, ctx, cache.idx_kv_state, cache.idx_score_state, cache.idx_k, inv_freq)
+        loc = entry_loc(ctx.block_table, ctx.block_tokens, torch.arange(n, device=x.device).expand(x.shape[0], n),
+                        self.ratio)
+        keys = cache.idx_k.flatten(0, 1)[loc]                                   # [B,n,d]
+        q, w = self.queries(x, qr, cos, sin)
+        return self.select(self.scores(q, w, keys), ctx.positions)

@@ -63,7 +63,8 @@ class Checkpoint:
             raise CheckpointError(f"tensor {name}: cannot be read from {fname} ({e})") from None
 
 
-# transformers' DeepseekV4 names -> DeepSeek's; applied in order to names without `model.`.
+# transformers' DeepseekV4 names (as loaded, and as its save_pretrained half-reverses them)
+# -> DeepSeek's; applied in order to names without `model.`.
 _HF_RENAMES = [
     (r"^embed_tokens\.", "embed."), (r"^lm_head\.", "head."),
     (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
@@ -78,6 +79,8 @@ _HF_RENAMES = [
     (r"\.compressor\.kv_proj\.", ".compressor.wkv."), (r"\.compressor\.gate_proj\.", ".compressor.wgate."),
     (r"\.compressor\.position_bias$", ".compressor.ape"), (r"\.compressor\.kv_norm\.", ".compressor.norm."),
     (r"\.attn\.kv_proj\.", ".attn.wkv."),
+    # transformers' save_pretrained reverses its own `.norm.` -> `.kv_norm.` rename too widely
+    (r"\.attn\.norm\.", ".attn.kv_norm."),
     (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
     (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."), (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
     (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
@@ -183,30 +186,23 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32, numerics: st
             continue  # read together with its weight
         if name.startswith("mtp.") and not len(model.mtp):
             continue
-        if hf_style:
-            _load_hf_tensor(ckpt, name, filler, device)
-            continue
-        m = _EXPERT.match(name)
-        value = _dequant(ckpt, name).to(device)
-        if m:
-            filler.put(f"{m[1]}.{m[3]}", value, name, int(m[2]))
-        else:
-            filler.put(name, value, name)
+        _load_tensor(ckpt, name, hf_to_official(name) if hf_style else name, filler, device)
     filler.check_complete()
     return model.set_numerics(numerics).eval()
 
 
-def _load_hf_tensor(ckpt: Checkpoint, name: str, filler: _Filler, device):
-    off = hf_to_official(name)
+def _load_tensor(ckpt: Checkpoint, name: str, off: str, filler: _Filler, device):
+    """Checkpoint tensor `name`, known by its official name `off`, into its parameter."""
     value = _dequant(ckpt, name).to(device)
-    if off.endswith(".ffn.experts.gate_up_proj"):
-        base = off[: -len("gate_up_proj")]
+    if m := _EXPERT.match(off):
+        filler.put(f"{m[1]}.{m[3]}", value, name, int(m[2]))
+    elif off.endswith(".ffn.experts.gate_up_proj"):  # transformers' merged [E, 2*I, D]
         if value.dim() != 3 or value.shape[1] % 2:
             raise CheckpointError(f"tensor {name}: shape {tuple(value.shape)} is not [E, 2*I, D]")
         w1, w3 = value.chunk(2, dim=1)
-        filler.put(base + "w1", w1, name)
-        filler.put(base + "w3", w3, name)
+        filler.put(off.replace("gate_up_proj", "w1"), w1, name)
+        filler.put(off.replace("gate_up_proj", "w3"), w3, name)
     elif off.endswith(".ffn.experts.down_proj"):
-        filler.put(off[: -len("down_proj")] + "w2", value, name)
+        filler.put(off.replace("down_proj", "w2"), value, name)
     else:
         filler.put(off, value, name)

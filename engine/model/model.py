@@ -1,4 +1,6 @@
 """The whole network: embedding -> 4 identical streams -> blocks -> hc_head -> norm -> head."""
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -63,6 +65,13 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The cache-free oracle: whole sequences from position 0. ids [B,S] -> logits [B,S,V]."""
         return self.logits(self.hidden(input_ids))
+
+    @torch.inference_mode()
+    def forward_step(self, input_ids: torch.Tensor, ctx, caches) -> torch.Tensor:
+        """The engine's step: ids [B,S] at ctx.positions against the per-layer caches (updated
+        in place) -> fp32 logits of each row's last token [B,V]."""
+        attn = [partial(layer.attn.forward_cached, ctx=ctx, cache=c) for layer, c in zip(self.layers, caches)]
+        return self.logits(self.hidden(input_ids, attn)[:, -1])
 
     @torch.inference_mode()
     def forward_mtp(self, h_main: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,73 @@
+"""How attention state is laid out for the engine, and how it is addressed.
+
+Per layer, per sequence slot (fixed size): the sliding-window ring (slot p % window)
+and each compressor's running state (the raw kv/score of the open window, plus for
+ratio 4 the previous window, whose A half the next entry still pools).
+Per layer, in the shared block pool (grows with the sequence): compressed KV entries
+(CSA, HCA) and indexer keys (CSA). A block covers `block_tokens` positions, so it holds
+block_tokens / ratio entries of a ratio-r layer; entry e of a sequence lives in block
+block_table[e // per_block] at offset e % per_block. Block 0 is never handed out: writes
+that must not land (an entry that is not complete yet) go there, so a step needs no
+data-dependent branch.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LayerCache:
+    window: torch.Tensor                       # [slots, W, Dh]
+    kv: torch.Tensor | None = None             # [blocks, block_tokens // ratio, Dh]
+    kv_state: torch.Tensor | None = None       # [slots, coff*ratio, coff*Dh] fp32
+    score_state: torch.Tensor | None = None    # same, fp32, -inf where empty
+    idx_k: torch.Tensor | None = None          # [blocks, block_tokens // 4, index_head_dim]
+    idx_kv_state: torch.Tensor | None = None
+    idx_score_state: torch.Tensor | None = None
+
+
+@dataclass
+class StepContext:
+    """One model call: B sequences with S new tokens each (decode: S == 1)."""
+    slots: torch.Tensor         # [B] long, the sequences' cache slots
+    positions: torch.Tensor     # [B,S] long, absolute positions of the new tokens
+    block_table: torch.Tensor   # [B, max_blocks] long
+    block_tokens: int
+    max_len: int                # host int: max over rows of (last position + 1); sizes the gathers
+    starts: list[int] | None = None   # host ints, first position per row (prefill only)
+
+    @property
+    def decode(self) -> bool:
+        return self.positions.shape[1] == 1 and self.starts is None
+
+
+def entry_loc(block_table: torch.Tensor, block_tokens: int, entries: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Entry ids [B, ...] of each row's sequence -> flat rows of a [blocks * per_block, d] store.
+
+    Entries past a row's blocks (masked by the caller) are clamped into its last block."""
+    per_block = block_tokens // ratio
+    B = entries.shape[0]
+    blk = (entries // per_block).clamp(0, block_table.shape[1] - 1)
+    rows = torch.arange(B, device=entries.device).view(B, *([1] * (entries.dim() - 1)))
+    return block_table[rows, blk] * per_block + entries % per_block
+
+
+def window_keys(kv: torch.Tensor, ctx: StepContext, ring: torch.Tensor):
+    """Keys of each new token's window: kv [B,S,Dh] (this step's) and the ring of earlier ones.
+
+    -> keys [B,S,W,Dh], valid [B,S,W]. Positions before this step's first come from the ring,
+    the rest from kv; the ring is updated afterwards with this step's last W tokens.
+    """
+    B, S, _ = kv.shape
+    W = ring.shape[1]
+    pos = ctx.positions
+    start = pos[:, :1]                                                        # [B,1]
+    q = pos[..., None] - W + 1 + torch.arange(W, device=kv.device)            # [B,S,W]
+    from_step = q >= start[..., None]
+    rows = torch.arange(B, device=kv.device)[:, None, None]
+    in_step = kv[rows, (q - start[..., None]).clamp(0, S - 1)]
+    in_ring = ring[ctx.slots[:, None, None], q.clamp(min=0) % W]
+    keys = torch.where(from_step[..., None], in_step, in_ring)
+    keep = min(W, S)
+    ring[ctx.slots[:, None], pos[:, -keep:] % W] = kv[:, -keep:].to(ring.dtype)
+    return keys, q >= 0
