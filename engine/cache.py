@@ -11,6 +11,7 @@ import torch
 
 from .model.config import ModelConfig
 from .model.kv_cache import LayerCache
+from .model.precision import up_dtype
 
 
 def default_block_tokens(cfg: ModelConfig) -> int:
@@ -47,10 +48,10 @@ class KVCache:
         shapes = {"window": ((self.max_num_seqs, W, cfg.head_dim), self.dtype, "slot")}
         if r:
             coff = 2 if r == 4 else 1
-            st = ((self.max_num_seqs, coff * r, coff * cfg.head_dim), torch.float32, "slot")
+            st = ((self.max_num_seqs, coff * r, coff * cfg.head_dim), up_dtype(self.dtype), "slot")
             shapes.update(kv=((bt // r, cfg.head_dim), self.dtype, "block"), kv_state=st, score_state=st)
         if r == 4:
-            st = ((self.max_num_seqs, 2 * r, 2 * cfg.index_head_dim), torch.float32, "slot")
+            st = ((self.max_num_seqs, 2 * r, 2 * cfg.index_head_dim), up_dtype(self.dtype), "slot")
             shapes.update(idx_k=((bt // r, cfg.index_head_dim), self.dtype, "block"),
                           idx_kv_state=st, idx_score_state=st)
         return shapes

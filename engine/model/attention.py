@@ -18,18 +18,19 @@ from .norm import RMSNorm, rms_norm
 from .quant_sim import fp8_sim
 from .kv_cache import LayerCache, StepContext, entry_loc, window_keys
 from .rope import apply_rope, cos_sin, layer_inv_freq
+from .precision import up
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
            scale: float) -> torch.Tensor:
     """Torch reference. q [B,S,H,D], gathered keys (= values) [B,S,K,D], valid [B,S,K], sink [H]
     -> o [B,S,H,D]: softmax over the valid keys plus a value-less sink logit per head."""
-    s = torch.einsum("bshd,bskd->bshk", q.float(), keys.float()) * scale
+    s = torch.einsum("bshd,bskd->bshk", up(q), up(keys)) * scale
     s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
-    m = torch.maximum(s.amax(-1), sink.float())                                          # [B,S,H]
+    m = torch.maximum(s.amax(-1), up(sink))                                          # [B,S,H]
     p = torch.exp(s - m[..., None])
-    denom = p.sum(-1) + torch.exp(sink.float() - m)
-    o = torch.einsum("bshk,bskd->bshd", p, keys.float()) / denom[..., None]
+    denom = p.sum(-1) + torch.exp(up(sink) - m)
+    o = torch.einsum("bshk,bskd->bshd", p, up(keys)) / denom[..., None]
     return o.to(q.dtype)
 
 

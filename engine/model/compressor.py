@@ -15,6 +15,7 @@ from .linear import Linear
 from .norm import RMSNorm
 from .quant_sim import fp4_sim, fp8_sim, hadamard
 from .rope import apply_rope, cos_sin
+from .precision import up
 
 
 class Compressor(nn.Module):
@@ -34,9 +35,9 @@ class Compressor(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., D], positions [...] -> kv, score [..., coff*d] fp32 (score has its slot's ape)."""
-        xf = x.float()
-        kv = F.linear(xf, self.wkv.weight.float())
-        score = F.linear(xf, self.wgate.weight.float()) + self.ape[positions % self.ratio]
+        xf = up(x)
+        kv = F.linear(xf, up(self.wkv.weight))
+        score = F.linear(xf, up(self.wgate.weight)) + self.ape[positions % self.ratio]
         return kv, score
 
     def pool(self, kv: torch.Tensor, score: torch.Tensor, prev: tuple | None = None) -> torch.Tensor:

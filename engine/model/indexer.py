@@ -12,6 +12,7 @@ from .kv_cache import entry_loc
 from .linear import Linear
 from .quant_sim import fp4_sim, hadamard
 from .rope import apply_rope
+from .precision import up
 
 
 class Indexer(nn.Module):
@@ -30,13 +31,13 @@ class Indexer(nn.Module):
         q = apply_rope(q, cos[..., None, :], sin[..., None, :])
         if self.sim:
             q = fp4_sim(hadamard(q), 32)
-        w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        w = up(self.weights_proj(x)) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return q, w
 
     @staticmethod
     def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """q [B,S,H,d], w [B,S,H], keys [B,N,d] -> [B,S,N] fp32."""
-        s = torch.einsum("bshd,bnd->bshn", q.float(), keys.float()).relu()
+        s = torch.einsum("bshd,bnd->bshn", up(q), up(keys)).relu()
         return (s * w[..., None]).sum(dim=2)
 
     def select(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

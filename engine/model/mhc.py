@@ -5,6 +5,7 @@ weights; hc_post expands the sub-layer output back and mixes the residual throug
 Sinkhorn-normalised (doubly stochastic) comb matrix. All coefficient math is fp32.
 """
 import torch
+from .precision import up
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -19,8 +20,8 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 def _mix(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     # fn applied to the unweighted-RMS-normalised flat streams: [B,S,hc*D] -> [B,S,mix]
-    xf = h.flatten(-2).float()
-    return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps) @ fn.float().t()
+    xf = up(h.flatten(-2))
+    return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps) @ fn.to(xf.dtype).t()
 
 
 def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -32,13 +33,13 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     post = 2 * torch.sigmoid(mix[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (mix[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
     comb = sinkhorn(comb, iters, eps)
-    x = (pre[..., None] * h.float()).sum(-2).to(h.dtype)
+    x = (pre[..., None] * up(h)).sum(-2).to(h.dtype)
     return x, post, comb
 
 
 def hc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """out[k] = post[k] * f + sum_j comb[j, k] * res[j]  ->  [B,S,hc,D]."""
-    out = post[..., None] * f.float()[..., None, :] + comb.transpose(-1, -2) @ res.float()
+    out = post[..., None] * up(f)[..., None, :] + comb.transpose(-1, -2) @ up(res)
     return out.to(res.dtype)
 
 
@@ -46,4 +47,4 @@ def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
             eps: float, norm_eps: float) -> torch.Tensor:
     """Final collapse of the streams (no Sinkhorn, no post): [B,S,hc,D] -> [B,S,D]."""
     pre = torch.sigmoid(_mix(h, fn, norm_eps) * scale + base) + eps
-    return (pre[..., None] * h.float()).sum(-2).to(h.dtype)
+    return (pre[..., None] * up(h)).sum(-2).to(h.dtype)

@@ -10,6 +10,7 @@ from .linear import Embedding, Linear
 from .mhc import hc_head
 from .mtp import MTPBlock
 from .norm import RMSNorm
+from .precision import up
 
 NUMERICS = ("plain", "reference")
 
@@ -59,7 +60,7 @@ class Transformer(nn.Module):
         return self.head_logits(y)
 
     def head_logits(self, y: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(y.float(), self.head.weight.float())
+        return torch.nn.functional.linear(up(y), up(self.head.weight))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

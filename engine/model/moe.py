@@ -12,10 +12,11 @@ from torch import nn
 from .config import ModelConfig
 from .linear import Linear
 from .quant_sim import fp8_sim
+from .precision import up, up_dtype
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
-    g, u = g.float(), u.float()
+    g, u = up(g), up(u)
     if limit > 0:
         g, u = g.clamp(max=limit), u.clamp(-limit, limit)
     return F.silu(g) * u
@@ -36,7 +37,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T,D], ids [T] -> routing weights [T,k] fp32, expert ids [T,k]."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(up(x), up(self.weight))
         if self.score_func == "sqrtsoftplus":
             scores = F.softplus(logits).sqrt()
         elif self.score_func == "sigmoid":
@@ -70,7 +71,7 @@ class Experts(nn.Module):
 
         Loops over the experts that have tokens (host sync): the oracle, not the decode path.
         """
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=up_dtype(x.dtype), device=x.device)
         xs = fp8_sim(x, 128) if self.act_sim else x
         flat = idx.flatten()
         order = flat.argsort()
@@ -87,7 +88,7 @@ class Experts(nn.Module):
             a = (a * weights.flatten()[sel, None]).to(x.dtype)
             if self.act_sim:
                 a = fp8_sim(a, 128)
-            out.index_add_(0, tok, F.linear(a, self.w2[e]).float())
+            out.index_add_(0, tok, up(F.linear(a, self.w2[e])))
         return out
 
 
@@ -119,5 +120,5 @@ class MoE(nn.Module):
         w, idx = self.gate(x, ids.reshape(-1))
         y = self.experts(x, w, idx)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x).float()
+            y = y + up(self.shared_experts(x))
         return y.to(x.dtype).reshape(shape)

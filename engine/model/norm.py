@@ -1,13 +1,14 @@
 """RMSNorm: DeepSeek's order (normalise and weight in fp32, then cast)."""
 import torch
 from torch import nn
+from .precision import up
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    xf = x.float()
+    xf = up(x)
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = weight.float() * y
+        y = up(weight) * y
     return y.to(x.dtype)
 
 

@@ -6,6 +6,7 @@ rotation and FP4, and every FP8/FP4 GEMM's activations through FP8 per 128 chann
 All scales are powers of two (UE8M0).
 """
 import torch
+from .precision import up
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -17,9 +18,9 @@ def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
 
 def fp8_sim(x: torch.Tensor, block: int) -> torch.Tensor:
     """e4m3 round trip per `block` channels of the last dim."""
-    xb = x.float().unflatten(-1, (-1, block))
+    xb = up(x).unflatten(-1, (-1, block))
     s = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp(min=1e-4), FP8_MAX)
-    q = (xb / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    q = up((xb / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)).to(xb.dtype)
     return (q * s).flatten(-2).to(x.dtype)
 
 
@@ -38,7 +39,7 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 def fp4_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """e2m1 round trip per `block` channels of the last dim."""
-    xb = x.float().unflatten(-1, (-1, block))
+    xb = up(x).unflatten(-1, (-1, block))
     s = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp(min=FP4_MAX * 2.0 ** -126), FP4_MAX)
     q = round_e2m1((xb / s).clamp(-FP4_MAX, FP4_MAX))
     return (q * s).flatten(-2).to(x.dtype)
@@ -48,7 +49,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Walsh-Hadamard transform (Sylvester order) over the last dim, scaled by n^-1/2."""
     n = x.shape[-1]
     assert n & (n - 1) == 0, "Hadamard size must be a power of two"
-    shape, y, h = x.shape, x.float(), 1
+    shape, y, h = x.shape, up(x), 1
     while h < n:
         y = y.reshape(*shape[:-1], n // (2 * h), 2, h)
         a, b = y[..., 0, :], y[..., 1, :]

@@ -9,6 +9,7 @@ import math
 import torch
 
 from .config import ModelConfig, YarnParams
+from .precision import up
 
 
 def inv_freq(rope_dim: int, base: float, yarn: YarnParams | None) -> torch.Tensor:
@@ -42,7 +43,7 @@ def cos_sin(positions: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, t
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the last 2*cos.shape[-1] channels of x; cos/sin broadcast against x[..., :R/2]."""
     r = 2 * cos.shape[-1]
-    nope, rope = x[..., :-r], x[..., -r:].float().unflatten(-1, (r // 2, 2))
+    nope, rope = x[..., :-r], up(x[..., -r:]).unflatten(-1, (r // 2, 2))
     x0, x1 = rope[..., 0], rope[..., 1]
     if inverse:
         sin = -sin
