@@ -13,14 +13,28 @@ FP4_MAX = 6.0
 
 
 def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    return torch.exp2(torch.ceil(torch.log2(amax / qmax)))
+    """2^ceil(log2(amax/qmax)), exactly: from frexp, as DeepSeek's kernels take it from the
+    float's bits (log2 rounds to the power of two within an ulp above one)."""
+    mant, e = torch.frexp(amax / qmax)
+    return torch.exp2(torch.where(mant == 0.5, e - 1, e).to(amax.dtype))
+
+
+def _to_e4m3(y: torch.Tensor) -> torch.Tensor:
+    """Round to e4m3 (nearest, ties to even). torch casts fp64 through fp32, which rounds
+    twice; rounding to odd in fp32 first makes the second rounding the correct one."""
+    if y.dtype == torch.float64:
+        f = y.float()
+        inexact = f.double() != y
+        f = torch.where(inexact & (f.double().abs() > y.abs()), torch.nextafter(f, torch.zeros_like(f)), f)
+        y = torch.where(inexact, (f.view(torch.int32) | 1).view(torch.float32), f)
+    return y.to(torch.float8_e4m3fn)
 
 
 def fp8_sim(x: torch.Tensor, block: int) -> torch.Tensor:
     """e4m3 round trip per `block` channels of the last dim."""
     xb = up(x).unflatten(-1, (-1, block))
     s = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp(min=1e-4), FP8_MAX)
-    q = up((xb / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)).to(xb.dtype)
+    q = up(_to_e4m3((xb / s).clamp(-FP8_MAX, FP8_MAX))).to(xb.dtype)
     return (q * s).flatten(-2).to(x.dtype)
 
 

@@ -1,0 +1,182 @@
+"""The engine loop's body: add requests, run one step, collect what each request produced.
+
+One step = one scheduler plan = at most one prefill chunk plus one batched decode. After
+sampling, each sequence's new token is detokenized incrementally and checked against
+EOS, stop ids, stop strings, max_tokens and the context length.
+"""
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import KVCache
+from .runner import ModelRunner
+from .sampler import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    metrics: dict = field(default_factory=dict)
+
+    # the first sample, for the common n == 1 case
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    seqs: list[Sequence]
+    arrival: float
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class EngineCore:
+    def __init__(self, model, tokenizer: Tokenizer, cache: KVCache, max_num_seqs: int, max_model_len: int,
+                 chunk_size: int = 512, max_waiting: int | None = None):
+        self.model, self.tokenizer, self.cache = model, tokenizer, cache
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(cache, max_num_seqs, max_model_len, chunk_size, max_waiting)
+        self.runner = ModelRunner(model, cache, cache.device)
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+
+    # ---- requests ----
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt, add_bos=True)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model.cfg.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already running")
+        now = time.monotonic()
+        seqs = [Sequence(rid, i, list(ids), params.for_child(i) if params.n > 1 else params, arrival=now,
+                         detok=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens))
+                for i in range(params.n)]
+        for s in seqs:
+            self.scheduler.add(s)
+        self.requests[rid] = _Request(rid, text, list(ids), seqs, now)
+        self.stats["prompt_tokens"] += len(ids)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for s in req.seqs:
+            if not s.finished:
+                self.scheduler.finish(s, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ----
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        touched = {s.request_id for s in plan.finished}
+        if plan.prefill is not None:
+            seq, start, n = plan.prefill
+            logits = self.runner.prefill(seq, start, n)
+            seq.num_computed = start + n
+            if seq.num_computed == seq.num_tokens:          # the prompt (or recompute) is done
+                self._append(seq, self.runner.sample([seq], logits), 0)
+                touched.add(seq.request_id)
+        if plan.decode:
+            out = self.runner.sample(plan.decode, self.runner.decode(plan.decode))
+            for i, seq in enumerate(plan.decode):
+                seq.num_computed += 1
+                self._append(seq, out, i)
+                touched.add(seq.request_id)
+        results = [self._output(self.requests[r]) for r in touched if r in self.requests]
+        for r in results:
+            if r.finished:
+                del self.requests[r.request_id]
+        return results
+
+    def _append(self, seq: Sequence, out, row: int):
+        tok = int(out.token_ids[row])
+        p = seq.params
+        seq.output_ids.append(tok)
+        self.stats["generation_tokens"] += 1
+        if p.logprobs is not None:
+            lp = {tok: float(out.logprobs[row])}
+            for t, v in zip(out.top_logprob_ids[row, :p.logprobs].tolist(), out.top_logprobs[row, :p.logprobs].tolist()):
+                lp.setdefault(t, v)
+            seq.logprobs.append(lp)
+        req = self.requests[seq.request_id]
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        reason = None
+        if tok == self.model.cfg.eos_token_id and not p.ignore_eos or tok in p.stop_token_ids:
+            reason = "stop"
+        else:
+            seq.text += seq.detok.push(tok)
+            if p.stop and len(seq.output_ids) >= p.min_tokens:
+                cut = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    seq.text, reason = seq.text[:cut], "stop"
+        if reason is None and (p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            if reason == "length":
+                seq.text += seq.detok.flush()
+            self.scheduler.finish(seq, reason)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.text, list(s.output_ids), s.finish_reason,
+                                 list(s.logprobs) if s.params.logprobs is not None else None) for s in req.seqs]
+        metrics = {"arrival": req.arrival, "first_token": req.first_token_time}
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, metrics)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)

@@ -1,0 +1,99 @@
+"""LLM: the synchronous API, shaped like vLLM's (generate, chat)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from .cache import KVCache
+from .core import EngineCore, RequestOutput
+from .model import load_model
+from .sampler import SamplingParams
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "weights" / "tiny"
+
+
+def default_model_dir() -> Path:
+    """The embedded tiny checkpoint, built by weights.make_tiny on first use."""
+    if not (DEFAULT_MODEL_DIR / "config.json").exists():
+        from weights.make_tiny import make_tiny
+
+        log.info("no model given: building the tiny default checkpoint in %s", DEFAULT_MODEL_DIR)
+        make_tiny(DEFAULT_MODEL_DIR, preset="tiny", seed=0)
+    return DEFAULT_MODEL_DIR
+
+
+def _default_cache_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    return 1 << 30
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, tp: int = 1, device=None, dtype=None,
+                 max_num_seqs: int = 16, max_model_len: int | None = None, kv_cache_memory: int | None = None,
+                 numerics: str | None = None, chunk_size: int = 512, max_waiting: int | None = None):
+        if tp != 1:
+            raise NotImplementedError("tensor parallelism (tp > 1) is not built yet; use tp=1")
+        if max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        path = Path(model) if model is not None else default_model_dir()
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        from .model.config import ModelConfig
+
+        cfg = ModelConfig.from_file(path)
+        numerics = numerics or ("reference" if cfg.fp8_linears else "plain")
+        self.model = load_model(path, device=self.device, dtype=self.dtype, numerics=numerics)
+        self.tokenizer = Tokenizer.from_dir(path)
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        budget = kv_cache_memory or _default_cache_bytes(self.device)
+        self.cache = KVCache(cfg, max_num_seqs, budget, self.device, self.dtype)
+        self.engine = EngineCore(self.model, self.tokenizer, self.cache, max_num_seqs, self.max_model_len,
+                                 chunk_size, max_waiting)
+        self.model_path, self.numerics, self.max_num_seqs = path, numerics, max_num_seqs
+        log.info("model %s on %s (%s, %s numerics): %d cache blocks of %d tokens, %d slots",
+                 path, self.device, str(self.dtype).removeprefix("torch."), numerics, self.cache.num_blocks,
+                 self.cache.block_tokens, max_num_seqs)
+
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("one SamplingParams per prompt, or a single one for all")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests")
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        return [done[i] for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             thinking: bool = False, tools: list[dict] | None = None, reasoning_effort: str | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        from .chat import encode_chat
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [encode_chat(self.tokenizer, conv, thinking=thinking, tools=tools, reasoning_effort=reasoning_effort)
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)

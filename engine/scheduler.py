@@ -1,0 +1,112 @@
+"""Continuous batching: who runs this step.
+
+Each step runs at most one prefill chunk (a new or preempted request, or the next chunk
+of a long prompt) and one batched decode of every sequence that is past its prefill.
+Cache blocks are taken as sequences grow; when the pool runs dry the most recently
+arrived running sequence is preempted (its cache freed, its tokens recomputed later).
+"""
+from collections import deque
+from dataclasses import dataclass, field
+
+from .cache import KVCache
+from .sequence import Sequence, Status
+
+
+@dataclass
+class Plan:
+    prefill: tuple[Sequence, int, int] | None = None       # (seq, first position, token count)
+    decode: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (no room ever)
+
+    @property
+    def empty(self) -> bool:
+        return self.prefill is None and not self.decode
+
+
+class Scheduler:
+    def __init__(self, cache: KVCache, max_num_seqs: int, max_model_len: int, chunk_size: int = 512,
+                 max_waiting: int | None = None):
+        self.cache, self.max_num_seqs, self.max_model_len = cache, max_num_seqs, max_model_len
+        self.chunk_size, self.max_waiting = chunk_size, max_waiting
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence):
+        if len(seq.prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(seq.prompt_ids)} tokens does not fit max_model_len {self.max_model_len}")
+        if self.cache.blocks_needed(len(seq.prompt_ids) + 1) > self.cache.num_blocks - 1:
+            raise ValueError(f"prompt of {len(seq.prompt_ids)} tokens does not fit the KV cache")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the plan for one step ----
+    def schedule(self) -> Plan:
+        plan = Plan()
+        self._grow_decoders(plan)
+        plan.decode = [s for s in self.running if s.in_decode]
+        plan.prefill = self._next_prefill()
+        return plan
+
+    def _grow_decoders(self, plan: Plan):
+        """Every decoding sequence needs blocks for one more token; preempt until they fit."""
+        for seq in sorted((s for s in self.running if s.in_decode), key=lambda s: s.arrival):
+            if seq.status is not Status.RUNNING:
+                continue  # preempted while making room for an earlier one
+            need = self.cache.blocks_needed(seq.num_tokens) - len(seq.blocks)
+            while need > 0 and not self.cache.can_allocate(need):
+                victim = max(self.running, key=lambda s: s.arrival)
+                if victim is seq and len(self.running) == 1:
+                    self.finish(seq, "length")  # alone and still no room: the pool is this small
+                    plan.finished.append(seq)
+                    break
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING and need > 0:
+                seq.blocks += self.cache.allocate(need)
+
+    def _next_prefill(self):
+        seq = next((s for s in self.running if s.num_computed < s.num_tokens and not s.in_decode), None)
+        if seq is None:
+            if not self.waiting or len(self.running) >= self.max_num_seqs:
+                return None
+            seq = self.waiting[0]
+            if not self.cache.free_slots:
+                return None
+        n = min(self.chunk_size, seq.num_tokens - seq.num_computed)
+        need = self.cache.blocks_needed(seq.num_computed + n) - len(seq.blocks)
+        if need > 0 and not self.cache.can_allocate(need):
+            return None  # wait for decoders to finish; never preempt for a prefill
+        if seq.status is Status.WAITING:
+            self.waiting.popleft()
+            seq.slot = self.cache.acquire_slot()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        if need > 0:
+            seq.blocks += self.cache.allocate(need)
+        return seq, seq.num_computed, n
+
+    # ---- state changes ----
+    def preempt(self, seq: Sequence):
+        self._release(seq)
+        seq.status, seq.num_computed = Status.WAITING, 0
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str):
+        if seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def _release(self, seq: Sequence):
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.blocks:
+            self.cache.free(seq.blocks)
+            seq.blocks = []
+        if seq.slot is not None:
+            self.cache.release_slot(seq.slot)
+            seq.slot = None

@@ -1,0 +1,48 @@
+"""One request's state (one sequence per parallel sample): ids, cache place, output text."""
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .sampler import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    index: int                      # which of the request's n samples
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    slot: int | None = None         # cache slot while running
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0           # tokens whose KV is in the cache
+    text: str = ""                  # detokenized output, stop strings cut
+    detok: object = None            # an IncrementalDetokenizer
+    preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def in_decode(self) -> bool:
+        """All but the newest token are cached: the next step feeds that one token."""
+        return self.status is Status.RUNNING and self.num_computed == self.num_tokens - 1 and bool(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
