@@ -282,8 +282,8 @@ def _held_suffix(buf: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-def _first_marker(buf: str, markers: tuple[str, ...]) -> tuple[int, str | None]:
-    hits = [(buf.find(m), m) for m in markers if m in buf]
+def _first_marker(buf: str, markers: tuple[str, ...], start: int = 0) -> tuple[int, str | None]:
+    hits = [(i, m) for m in markers if (i := buf.find(m, start)) >= 0]
     return min(hits) if hits else (-1, None)
 
 
@@ -310,6 +310,7 @@ class StreamingParser:
         self._after_block = False
         self.tool_calls: list[dict] = []
         self._taken = 0
+        self._scanned = 0  # tool state: buffer prefix already searched for the end tag
 
     def push(self, delta: str) -> StreamDelta:
         self._buf += delta
@@ -388,9 +389,13 @@ class StreamingParser:
         return True
 
     def _step_tool(self, out: list) -> bool:
-        i, m = _first_marker(self._buf, (TOOL_END, EOS))
+        # Long tool arguments arrive in many deltas; only search the new tail.
+        start = max(0, self._scanned - max(len(TOOL_END), len(EOS)))
+        i, m = _first_marker(self._buf, (TOOL_END, EOS), start)
+        self._scanned = len(self._buf)
         if m is None:
             return False
+        self._scanned = 0
         if m == EOS:  # unterminated block: surface it rather than lose it
             out.append(self._buf[:i])
             self._state = "done"

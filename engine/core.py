@@ -64,6 +64,10 @@ class _Request:
         return all(s.finished for s in self.seqs)
 
 
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is over its limit (a server answers 503)."""
+
+
 class EngineCore:
     def __init__(self, model, tokenizer: Tokenizer, cache: KVCache, max_num_seqs: int, max_model_len: int,
                  chunk_size: int = 512, max_waiting: int | None = None):
@@ -79,6 +83,9 @@ class EngineCore:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         params = params or SamplingParams()
+        limit = self.scheduler.max_waiting
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are waiting (limit {limit})")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt, add_bos=True)
         else:
