@@ -19,7 +19,10 @@ class EngineDead(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, core: EngineCore):
+        if core.driver is not None:
+            raise RuntimeError("this engine core is already driven by another AsyncEngine")
         self.core = core
+        core.driver = self
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
@@ -60,6 +63,7 @@ class AsyncEngine:
         self._stop.set()
         self._cmds.put(("noop",))
         self._thread.join(timeout=10)
+        self.core.driver = None
 
     # ---- the engine thread ----
     def _deliver(self, rid: str, item):

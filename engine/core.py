@@ -78,6 +78,7 @@ class EngineCore:
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self.driver = None  # the AsyncEngine whose thread steps this core, if any
 
     # ---- requests ----
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
