@@ -22,7 +22,7 @@ def default_block_tokens(cfg: ModelConfig) -> int:
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, max_num_seqs: int, memory_bytes: int, device, dtype,
-                 block_tokens: int | None = None):
+                 block_tokens: int | None = None, num_blocks: int | None = None):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.block_tokens = block_tokens or default_block_tokens(cfg)
         self.max_num_seqs = max_num_seqs
@@ -32,10 +32,12 @@ class KVCache:
         fixed = self.slot_bytes() * max_num_seqs
         per_block = self.block_bytes()
         self.num_blocks = (memory_bytes - fixed) // max(per_block, 1) if per_block else 1 << 30
+        if num_blocks is not None:  # tensor parallel: every rank takes rank 0's count
+            self.num_blocks = num_blocks
         if self.num_blocks < 2:
             raise ValueError(f"kv_cache_memory {memory_bytes} B is too small: {fixed} B of per-sequence state "
                              f"for {max_num_seqs} sequences, then {per_block} B per block of {self.block_tokens} tokens")
-        if not per_block:
+        if not per_block and num_blocks is None:
             self.num_blocks = 1 << 20  # sliding-only model: blocks hold nothing, never run out
         self.layers = [self._layer(i) for i in range(cfg.n_layers)]
         self.free_blocks = list(range(self.num_blocks - 1, 0, -1))     # block 0 reserved
@@ -97,15 +99,16 @@ class KVCache:
         return 1.0 - len(self.free_blocks) / max(self.num_blocks - 1, 1)
 
     def acquire_slot(self) -> int | None:
-        if not self.free_slots:
-            return None
-        slot = self.free_slots.pop()
-        for c in self.layers:  # an empty open window: no kv, -inf scores
+        return self.free_slots.pop() if self.free_slots else None
+
+    def reset_slot(self, slot: int):
+        """Empty a slot's compressor state (no kv, -inf scores) before a sequence starts in it.
+        Every rank does this as part of the step, so only the scheduler's rank tracks slots."""
+        for c in self.layers:
             for st, sc in ((c.kv_state, c.score_state), (c.idx_kv_state, c.idx_score_state)):
                 if st is not None:
                     st[slot].zero_()
                     sc[slot].fill_(float("-inf"))
-        return slot
 
     def release_slot(self, slot: int):
         self.free_slots.append(slot)

@@ -1,6 +1,7 @@
 """LLM: the synchronous API, shaped like vLLM's (generate, chat)."""
 from __future__ import annotations
 
+import atexit
 import logging
 from pathlib import Path
 
@@ -37,9 +38,10 @@ def _default_cache_bytes(device: torch.device) -> int:
 class LLM:
     def __init__(self, model: str | Path | None = None, tp: int = 1, device=None, dtype=None,
                  max_num_seqs: int = 16, max_model_len: int | None = None, kv_cache_memory: int | None = None,
-                 numerics: str | None = None, chunk_size: int = 512, max_waiting: int | None = None):
-        if tp != 1:
-            raise NotImplementedError("tensor parallelism (tp > 1) is not built yet; use tp=1")
+                 numerics: str | None = None, chunk_size: int = 512, max_waiting: int | None = None,
+                 tp_timeout: float = 120.0):
+        if tp < 1:
+            raise ValueError("tp must be >= 1")
         if max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         path = Path(model) if model is not None else default_model_dir()
@@ -51,17 +53,65 @@ class LLM:
 
         cfg = ModelConfig.from_file(path)
         numerics = numerics or ("reference" if cfg.fp8_linears else "plain")
+        self.workers, self.tp = None, tp
+        if tp > 1:
+            self._join_tp(tp, dict(path=str(path), device=str(self.device), dtype=self.dtype, numerics=numerics,
+                                   max_num_seqs=max_num_seqs, timeout=tp_timeout))
+        budget = kv_cache_memory or _default_cache_bytes(self.device)
+        num_blocks = KVCache(cfg, max_num_seqs, budget, "meta", self.dtype).num_blocks
+        if tp > 1:
+            from .parallel.worker import send_step
+
+            send_step(num_blocks)
         self.model = load_model(path, device=self.device, dtype=self.dtype, numerics=numerics)
         self.tokenizer = Tokenizer.from_dir(path)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        budget = kv_cache_memory or _default_cache_bytes(self.device)
-        self.cache = KVCache(cfg, max_num_seqs, budget, self.device, self.dtype)
+        self.cache = KVCache(cfg, max_num_seqs, budget, self.device, self.dtype, num_blocks=num_blocks)
         self.engine = EngineCore(self.model, self.tokenizer, self.cache, max_num_seqs, self.max_model_len,
                                  chunk_size, max_waiting)
+        if self.workers is not None:
+            self.engine.runner.broadcast = self.workers.send
         self.model_path, self.numerics, self.max_num_seqs = path, numerics, max_num_seqs
         log.info("model %s on %s (%s, %s numerics): %d cache blocks of %d tokens, %d slots",
                  path, self.device, str(self.dtype).removeprefix("torch."), numerics, self.cache.num_blocks,
                  self.cache.block_tokens, max_num_seqs)
+
+    def _join_tp(self, tp: int, spec: dict):
+        """Start (or, under torchrun, join) the tensor-parallel group. Ranks > 0 under torchrun
+        serve steps here until rank 0 shuts down, then exit."""
+        from .parallel import state, worker
+
+        env = state.from_torchrun()
+        if env is not None:
+            rank, size = env
+            if size != tp:
+                raise ValueError(f"tp={tp} but torchrun started {size} ranks")
+            self.device = worker.rank_device(self.device, rank)
+            state.init(rank, size, "env://", self.device, spec["timeout"])
+            if rank > 0:
+                model, cache = worker.build_rank(spec, self.device)
+                worker.serve_steps(model, cache, self.device)
+                state.shutdown()
+                raise SystemExit(0)
+        else:
+            self.workers = worker.Workers(tp, spec)
+            self.device = worker.rank_device(self.device, 0)
+            state.init(0, tp, self.workers.init_method, self.device, spec["timeout"])
+        atexit.register(self.shutdown)
+
+    def shutdown(self):
+        """Stop the tensor-parallel ranks (a no-op at tp=1)."""
+        from .parallel import state, worker
+
+        if self.tp > 1 and state.tp_size() > 1:
+            if self.workers is not None:
+                self.workers.stop()
+            else:
+                try:
+                    worker.send_step(None)
+                except Exception:
+                    pass
+            state.shutdown()
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -13,31 +13,27 @@ class ModelRunner:
         self.sampler = Sampler()
         self.vocab_size, self.eos = model.cfg.vocab_size, model.cfg.eos_token_id
         self.logits_hook = None  # tests: called with (seqs, logits) before sampling
+        self.broadcast = None    # tensor parallel: sends each step to the other ranks first
 
-    def _block_table(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.blocks) for s in seqs)
-        rows = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]   # pad: the never-read block 0
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
-
+    # A step is described by a plain dict (host ints and lists) so that, under tensor
+    # parallelism, rank 0 can send the same description to every rank (engine.parallel.worker).
     def prefill(self, seq: Sequence, start: int, n: int) -> torch.Tensor:
         """Feed seq's tokens [start, start+n) -> logits of the last one [1,V]."""
-        ids = torch.tensor([seq.tokens[start:start + n]], device=self.device)
-        ctx = StepContext(
-            slots=torch.tensor([seq.slot], device=self.device),
-            positions=torch.arange(start, start + n, device=self.device)[None],
-            block_table=self._block_table([seq]), block_tokens=self.cache.block_tokens,
-            max_len=start + n, starts=[start])
-        return self.model.forward_step(ids, ctx, self.cache.layers)
+        return self.execute({
+            "ids": [seq.tokens[start:start + n]], "positions": [list(range(start, start + n))],
+            "slots": [seq.slot], "blocks": [seq.blocks], "starts": [start],
+            "reset": [seq.slot] if start == 0 else []})
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each sequence's newest token, all in one call -> logits [B,V]."""
-        ids = torch.tensor([[s.output_ids[-1]] for s in seqs], device=self.device)
-        pos = torch.tensor([[s.num_tokens - 1] for s in seqs], device=self.device)
-        ctx = StepContext(
-            slots=torch.tensor([s.slot for s in seqs], device=self.device), positions=pos,
-            block_table=self._block_table(seqs), block_tokens=self.cache.block_tokens,
-            max_len=max(s.num_tokens for s in seqs))
-        return self.model.forward_step(ids, ctx, self.cache.layers)
+        return self.execute({
+            "ids": [[s.output_ids[-1]] for s in seqs], "positions": [[s.num_tokens - 1] for s in seqs],
+            "slots": [s.slot for s in seqs], "blocks": [s.blocks for s in seqs], "starts": None, "reset": []})
+
+    def execute(self, step: dict) -> torch.Tensor:
+        if self.broadcast is not None:
+            self.broadcast(step)
+        return run_step(self.model, self.cache, step, self.device)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
         if self.logits_hook is not None:
@@ -46,3 +42,17 @@ class ModelRunner:
                                     [s.prompt_ids for s in seqs], vocab_size=self.vocab_size,
                                     device=self.device, eos_token_ids=[self.eos])
         return self.sampler(logits.float(), batch)
+
+
+def run_step(model, cache: KVCache, step: dict, device) -> torch.Tensor:
+    """Run one step description on this rank's model and cache -> logits [B,V]."""
+    for slot in step["reset"]:      # a sequence starts in this slot: empty its running state
+        cache.reset_slot(slot)
+    width = max(len(b) for b in step["blocks"])
+    table = [b + [0] * (width - len(b)) for b in step["blocks"]]   # pad: the never-read block 0
+    positions = torch.tensor(step["positions"], device=device)
+    ctx = StepContext(
+        slots=torch.tensor(step["slots"], device=device), positions=positions,
+        block_table=torch.tensor(table, dtype=torch.long, device=device), block_tokens=cache.block_tokens,
+        max_len=max(p[-1] for p in step["positions"]) + 1, starts=step["starts"])
+    return model.forward_step(torch.tensor(step["ids"], device=device), ctx, cache.layers)

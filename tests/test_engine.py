@@ -29,6 +29,7 @@ def test_incremental_equals_full_sequence(tiny_ckpt, preset, numerics, dtype, n)
     cache = KVCache(cfg, 3, 256 << 20, "cpu", dtype)
     cache.acquire_slot()                       # a neighbour slot, so slot indexing is exercised
     slot = cache.acquire_slot()
+    cache.reset_slot(slot)
     cache.allocate(1)                          # and a neighbour's block
     blocks = torch.tensor([cache.allocate(cache.blocks_needed(n))])
     errs, p = [], 0

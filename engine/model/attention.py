@@ -10,6 +10,7 @@ output are rotated back by the query position, then a grouped low-rank projectio
 import torch
 from torch import nn
 
+from ..parallel.comm import all_reduce, shard
 from .compressor import Compressor
 from .config import ModelConfig
 from .indexer import Indexer
@@ -52,19 +53,21 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype=None):
         super().__init__()
         self.kind, self.ratio = cfg.layer_kind(layer), cfg.ratio(layer)
-        self.n_heads, self.head_dim, self.rope_dim = cfg.n_heads, cfg.head_dim, cfg.rope_dim
-        self.window, self.n_groups, self.eps = cfg.window_size, cfg.o_groups, cfg.norm_eps
+        # tensor parallel: each rank owns n_heads/tp heads, i.e. o_groups/tp whole output groups
+        self.n_heads, self.head_dim, self.rope_dim = shard(cfg.n_heads, "num_attention_heads"), cfg.head_dim, cfg.rope_dim
+        self.n_groups = shard(cfg.o_groups, "o_groups")
+        self.window, self.eps = cfg.window_size, cfg.norm_eps
         self.scale = cfg.head_dim ** -0.5
         fp8 = "fp8" if cfg.fp8_linears else "bf16"
         self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, fp8, dtype=dtype)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
-        self.wq_b = Linear(cfg.q_lora_rank, cfg.n_heads * cfg.head_dim, fp8, dtype=dtype)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * cfg.head_dim, fp8, dtype=dtype)
         self.wkv = Linear(cfg.dim, cfg.head_dim, fp8, dtype=dtype)
         self.kv_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         # wo_a: [groups * o_lora, heads_per_group * head_dim]; DeepSeek runs it in bf16.
-        self.wo_a = Linear(cfg.n_heads * cfg.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, fp8, dtype=dtype)
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, fp8, dtype=dtype)
-        self.attn_sink = nn.Parameter(torch.empty(cfg.n_heads, dtype=torch.float32), requires_grad=False)
+        self.wo_a = Linear(cfg.n_heads * cfg.head_dim // cfg.o_groups, self.n_groups * cfg.o_lora_rank, fp8, dtype=dtype)
+        self.wo_b = Linear(self.n_groups * cfg.o_lora_rank, cfg.dim, fp8, dtype=dtype)   # row-parallel
+        self.attn_sink = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32), requires_grad=False)
         self.compressor = Compressor(cfg, layer, cfg.head_dim, rotate=False, dtype=dtype) if self.ratio else None
         self.indexer = Indexer(cfg, layer, dtype=dtype) if self.kind == "csa" else None
         self.register_buffer("inv_freq", layer_inv_freq(cfg, layer), persistent=False)
@@ -87,7 +90,7 @@ class Attention(nn.Module):
         o = o.flatten(-2).unflatten(-1, (self.n_groups, -1))                               # [...,G,H/G*Dh]
         wa = self.wo_a.weight.unflatten(0, (self.n_groups, -1))                              # [G,R,H/G*Dh]
         z = torch.einsum("...gd,grd->...gr", o, wa)
-        return self.wo_b(z.flatten(-2))
+        return all_reduce(self.wo_b(z.flatten(-2)))
 
     def forward(self, x: torch.Tensor, input_ids=None) -> torch.Tensor:
         """Whole sequence from position 0, no cache: x [B,S,D] -> [B,S,D]."""

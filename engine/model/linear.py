@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.comm import all_reduce, shard
+from ..parallel.state import tp_rank, tp_size
 from .quant_sim import fp8_sim
 
 
@@ -25,9 +27,19 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
+    """Vocab-parallel: each rank holds a contiguous slice of the rows; the others' tokens
+    look up zeros and one all-reduce assembles the embeddings."""
+
     def __init__(self, vocab: int, dim: int, dtype=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab, dim, dtype=dtype), requires_grad=False)
+        local = shard(vocab, "vocab_size")
+        self.lo = tp_rank() * local
+        self.weight = nn.Parameter(torch.empty(local, dim, dtype=dtype), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if tp_size() == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.lo
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine[..., None]
+        return all_reduce(out)

@@ -1,12 +1,16 @@
 """Checkpoint loading: safetensors (single file or sharded), official or transformers names.
 
 Tensors are read memory-mapped and converted one at a time: FP8 e4m3 weights with
-E8M0 128x128 `.scale`, MXFP4 experts (two e2m1 per byte, E8M0 per 32) and plain
-bf16/fp32. Every parameter must be filled exactly once, with the right shape; anything
-missing, unexpected or malformed is an error naming the tensor.
+E8M0 128x128 `.scale`, MXFP4 experts (two e2m1 per byte, E8M0 per 32), NVFP4 experts
+as NVIDIA's modelopt writes them (uint8 `.weight`, e4m3 `.weight_scale` per 16, fp32
+`.weight_scale_2`, fp32 `.input_scale`) and plain bf16/fp32. Formats may be mixed: an
+NVFP4 checkpoint keeps FP8 attention and MXFP4 MTP experts. Every parameter must be
+filled exactly once, with the right shape; anything missing, unexpected or malformed is
+an error naming the tensor.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import re
@@ -15,9 +19,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig
-from .formats import fp8_block_dequant, mxfp4_dequant
+from .config import HF_QUANT_CONFIG, ModelConfig, nvfp4_declared, read_hf_quant_config
+from .formats import fp8_block_dequant, mxfp4_dequant, nvfp4_dequant
 from .model import Transformer
+from .shards import read_shard
+from ..parallel.state import tp_rank, tp_size
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +55,25 @@ class Checkpoint:
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
+
+    def get_slice(self, name: str):
+        """safetensors' lazy slice (shape, dtype, and reading only a range)."""
+        self.get_file(name)
+        return self._open[self.weight_map[name]].get_slice(name)
+
+    def get_slice_range(self, name: str, dim: int, lo: int, hi: int) -> torch.Tensor:
+        idx = [slice(None)] * len(self.get_slice(name).get_shape())
+        idx[dim] = slice(lo, hi)
+        return self.get_slice(name)[tuple(idx)]
+
+    def get_file(self, name: str):
+        fname = self.weight_map[name]
+        if fname not in self._open:
+            f = self.dir / fname
+            if not f.exists():
+                raise CheckpointError(f"tensor {name}: shard {fname} listed in the index is missing")
+            self._open[fname] = safe_open(f, framework="pt")
+        return self._open[fname]
 
     def get(self, name: str) -> torch.Tensor:
         fname = self.weight_map[name]
@@ -84,6 +109,9 @@ _HF_RENAMES = [
     (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
     (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."), (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
     (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+    # modelopt's HF export writes routed experts unfused, one projection each
+    (r"\.experts\.(\d+)\.gate_proj\.", r".experts.\1.w1."), (r"\.experts\.(\d+)\.up_proj\.", r".experts.\1.w3."),
+    (r"\.experts\.(\d+)\.down_proj\.", r".experts.\1.w2."),
 ]
 _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 
@@ -95,24 +123,104 @@ def hf_to_official(name: str) -> str:
     return name
 
 
+# companions read together with their `.weight`: MXFP4/FP8 `.scale`, modelopt NVFP4's three
+_COMPANIONS = (".scale", ".weight_scale", ".weight_scale_2", ".input_scale")
+
+
+def _weight_of(name: str) -> str | None:
+    """The `.weight` a companion tensor belongs to (None if `name` is no companion)."""
+    for suffix in _COMPANIONS:
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + ".weight"
+    return None
+
+
 def _dequant(ckpt: Checkpoint, name: str, fmt_hint: str | None = None) -> torch.Tensor:
-    """Read `name` (a `.weight`) and apply its companion `.scale`, if any."""
+    """Read `name` (a `.weight`) and apply its companion scales, if any."""
     w = ckpt.get(name)
-    scale_name = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
+    base = name[: -len(".weight")] if name.endswith(".weight") else None
+    if base is not None and base + ".weight_scale" in ckpt:
+        return _nvfp4(ckpt, name, base, w)
+    stray = [base + p for p in (".weight_scale_2", ".input_scale") if base is not None and base + p in ckpt]
+    if stray:
+        raise CheckpointError(f"tensor {name}: NVFP4 weight without its block scales {base}.weight_scale "
+                              f"(but {stray[0]} is there)")
+    scale_name = base + ".scale" if base is not None else None
     has_scale = scale_name is not None and scale_name in ckpt
     if w.dtype == torch.float8_e4m3fn:
         if not has_scale:
             raise CheckpointError(f"tensor {name}: FP8 weight without its scale {scale_name}")
-        return fp8_block_dequant(w, ckpt.get(scale_name), name=name)
+        return _checked(fp8_block_dequant, w, ckpt.get(scale_name), name)
     if w.dtype in (torch.int8, torch.uint8):
         if not has_scale:
             raise CheckpointError(f"tensor {name}: packed FP4 weight without its scale {scale_name}")
-        return mxfp4_dequant(w, ckpt.get(scale_name), name=name)
+        return _checked(mxfp4_dequant, w, ckpt.get(scale_name), name)
     if has_scale:
         raise CheckpointError(f"tensor {name}: has a scale {scale_name} but dtype {w.dtype} is not FP8/FP4")
     if not (w.is_floating_point() or name.endswith("tid2eid")):
         raise CheckpointError(f"tensor {name}: unexpected dtype {w.dtype}")
     return w
+
+
+def _nvfp4(ckpt: Checkpoint, name: str, base: str, w: torch.Tensor) -> torch.Tensor:
+    """modelopt NVFP4: uint8 `.weight`, e4m3 `.weight_scale` [out, in/16], fp32 `.weight_scale_2`;
+    `.input_scale` (W4A4 activations) is validated but unused: the experts run W4A16."""
+    if base + ".scale" in ckpt:
+        raise CheckpointError(f"tensor {name}: has both an MXFP4/FP8 scale {base}.scale and NVFP4 {base}.weight_scale")
+    if w.dtype not in (torch.uint8, torch.int8):
+        raise CheckpointError(f"tensor {name}: NVFP4 weight must be packed uint8, got {w.dtype}")
+    ws2 = base + ".weight_scale_2"
+    if ws2 not in ckpt:
+        raise CheckpointError(f"tensor {name}: NVFP4 weight without its global scale {ws2}")
+    if base + ".input_scale" in ckpt:
+        _check_input_scale(ckpt.get(base + ".input_scale"), base + ".input_scale")
+    try:
+        return nvfp4_dequant(w, ckpt.get(base + ".weight_scale"), ckpt.get(ws2), name=name)
+    except ValueError as e:
+        raise CheckpointError(f"tensor {name}: {e}") from None
+
+
+def _check_input_scale(t: torch.Tensor, name: str):
+    if t.dtype != torch.float32 or t.numel() != 1 or t.dim() > 1:
+        raise CheckpointError(f"tensor {name}: must be one fp32 value, got {t.dtype} of shape {tuple(t.shape)}")
+    if not bool(torch.isfinite(t).all() & (t > 0).all()):
+        raise CheckpointError(f"tensor {name}: must be finite and > 0, got {t.item()}")
+
+
+class _Nvfp4Meta:
+    """What config.json / hf_quant_config.json declare about NVFP4, checked against the tensors.
+
+    Tensors describe their own format, so an undeclared NVFP4 tensor is an error (a config
+    lost in copying), while one in an excluded module only warns: exclude lists are
+    fnmatch hints in each producer's own naming."""
+
+    def __init__(self, path: Path, cfg: ModelConfig):
+        hq = read_hf_quant_config(path)
+        self.declared = nvfp4_declared(cfg.quantization) or nvfp4_declared(hq)
+        q = (hq or {}).get("quantization") or {}
+        self.exclude = list(q.get("exclude_modules") or []) + list((cfg.quantization or {}).get("ignore") or [])
+        self.contradicted: list[str] = []
+
+    def check(self, scale_name: str, official: str):
+        if not self.declared:
+            raise CheckpointError(f"tensor {scale_name}: NVFP4 block scales, but neither {HF_QUANT_CONFIG} nor "
+                                  f"config.json's quantization_config declares NVFP4 (quant_algo)")
+        modules = (scale_name[: -len(".weight_scale")], official[: -len(".weight_scale")])
+        if any(fnmatch.fnmatchcase(m, p) or fnmatch.fnmatchcase(m, p + ".*") for m in modules for p in self.exclude):
+            self.contradicted.append(scale_name)
+
+    def report(self):
+        if self.contradicted:
+            log.warning("%d NVFP4 tensors lie in modules the quantization config excludes (e.g. %s); "
+                        "loaded as stored", len(self.contradicted), self.contradicted[0])
+
+
+def _checked(dequant, w: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
+    """formats' ValueErrors (scale shape or dtype, a NaN scale byte) as CheckpointErrors."""
+    try:
+        return dequant(w, scale, name=name)
+    except ValueError as e:
+        raise CheckpointError(f"tensor {name}: {e}") from None
 
 
 class _Filler:
@@ -180,20 +288,36 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32, numerics: st
         raise CheckpointError("missing tensors: mtp.0.* (the MTP block)")
     with torch.device(device):
         model = Transformer(cfg, dtype=dtype, with_mtp=with_mtp)
-    filler = _Filler(model)
+    filler, nvfp4 = _Filler(model), _Nvfp4Meta(path, cfg)
     for name in names:
-        if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in ckpt:
+        off = hf_to_official(name) if hf_style else name
+        if (weight := _weight_of(name)) is not None and weight in ckpt:
+            if name.endswith(".weight_scale"):
+                nvfp4.check(name, off)
             continue  # read together with its weight
         if name.startswith("mtp.") and not len(model.mtp):
             continue
-        _load_tensor(ckpt, name, hf_to_official(name) if hf_style else name, filler, device)
+        _load_tensor(ckpt, name, off, filler, device)
     filler.check_complete()
+    nvfp4.report()
     return model.set_numerics(numerics).eval()
 
 
+class _View:
+    """A checkpoint seen through a reader of parts (tensor-parallel slices)."""
+
+    def __init__(self, ckpt: Checkpoint, get):
+        self.ckpt, self.get = ckpt, get
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.ckpt
+
+
 def _load_tensor(ckpt: Checkpoint, name: str, off: str, filler: _Filler, device):
-    """Checkpoint tensor `name`, known by its official name `off`, into its parameter."""
-    value = _dequant(ckpt, name).to(device)
+    """Checkpoint tensor `name`, known by its official name `off`, into its parameter
+    (this rank's shard of it under tensor parallelism)."""
+    value = read_shard(ckpt, name, off, tp_rank(), tp_size(), lambda get: _dequant(_View(ckpt, get), name))
+    value = value.to(device)
     if m := _EXPERT.match(off):
         filler.put(f"{m[1]}.{m[3]}", value, name, int(m[2]))
     elif off.endswith(".ffn.experts.gate_up_proj"):  # transformers' merged [E, 2*I, D]

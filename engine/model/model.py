@@ -4,6 +4,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from ..parallel.comm import all_gather_last, shard
 from .block import Block
 from .config import ModelConfig
 from .linear import Embedding, Linear
@@ -22,7 +23,7 @@ class Transformer(nn.Module):
         self.embed = Embedding(cfg.vocab_size, cfg.dim, dtype=dtype)
         self.layers = nn.ModuleList(Block(cfg, i, dtype=dtype) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.head = Linear(cfg.dim, cfg.vocab_size, dtype=dtype)
+        self.head = Linear(cfg.dim, shard(cfg.vocab_size, "vocab_size"), dtype=dtype)
         hc = cfg.hc_mult
         self.hc_head_fn = nn.Parameter(torch.empty(hc, hc * cfg.dim, dtype=torch.float32), requires_grad=False)
         self.hc_head_base = nn.Parameter(torch.empty(hc, dtype=torch.float32), requires_grad=False)
@@ -60,7 +61,8 @@ class Transformer(nn.Module):
         return self.head_logits(y)
 
     def head_logits(self, y: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(up(y), up(self.head.weight))
+        # vocab-parallel head: each rank's slice of the logits, gathered in rank order
+        return all_gather_last(torch.nn.functional.linear(up(y), up(self.head.weight)))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

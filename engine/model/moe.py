@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.comm import all_reduce, shard
 from .config import ModelConfig
 from .linear import Linear
 from .quant_sim import fp8_sim
@@ -59,7 +60,8 @@ class Experts(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype=None):
         super().__init__()
-        E, I, D = cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim
+        # tensor parallel inside every expert: each rank owns I/tp of the intermediate width
+        E, I, D = cfg.n_routed_experts, shard(cfg.moe_inter_dim, "moe_intermediate_size"), cfg.dim
         self.limit = cfg.swiglu_limit
         self.w1 = nn.Parameter(torch.empty(E, I, D, dtype=dtype), requires_grad=False)
         self.w3 = nn.Parameter(torch.empty(E, I, D, dtype=dtype), requires_grad=False)
@@ -96,7 +98,7 @@ class SharedExpert(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype=None):
         super().__init__()
         fmt = "fp8" if cfg.fp8_linears else "bf16"
-        I = cfg.moe_inter_dim * cfg.n_shared_experts
+        I = shard(cfg.moe_inter_dim * cfg.n_shared_experts, "moe_intermediate_size")
         self.w1 = Linear(cfg.dim, I, fmt, dtype=dtype)
         self.w3 = Linear(cfg.dim, I, fmt, dtype=dtype)
         self.w2 = Linear(I, cfg.dim, fmt, dtype=dtype)
@@ -121,4 +123,4 @@ class MoE(nn.Module):
         y = self.experts(x, w, idx)
         if self.shared_experts is not None:
             y = y + up(self.shared_experts(x))
-        return y.to(x.dtype).reshape(shape)
+        return all_reduce(y).to(x.dtype).reshape(shape)   # one all-reduce for routed + shared
