@@ -25,11 +25,12 @@ class KVCache:
                  block_tokens: int | None = None, num_blocks: int | None = None):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.block_tokens = block_tokens or default_block_tokens(cfg)
-        self.max_num_seqs = max_num_seqs
+        # one spare slot past the scheduler's: the padding rows of a CUDA-graph batch write there
+        self.max_num_seqs, self.pad_slot = max_num_seqs + 1, max_num_seqs
         for r in cfg.compress_ratios:
             if r and self.block_tokens % r:
                 raise ValueError(f"block_tokens {self.block_tokens} is not a multiple of compress ratio {r}")
-        fixed = self.slot_bytes() * max_num_seqs
+        fixed = self.slot_bytes() * self.max_num_seqs
         per_block = self.block_bytes()
         self.num_blocks = (memory_bytes - fixed) // max(per_block, 1) if per_block else 1 << 30
         if num_blocks is not None:  # tensor parallel: every rank takes rank 0's count
@@ -41,7 +42,7 @@ class KVCache:
             self.num_blocks = 1 << 20  # sliding-only model: blocks hold nothing, never run out
         self.layers = [self._layer(i) for i in range(cfg.n_layers)]
         self.free_blocks = list(range(self.num_blocks - 1, 0, -1))     # block 0 reserved
-        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))      # the pad slot is never handed out
 
     # ---- sizes ----
     def _shapes(self, layer: int) -> dict:

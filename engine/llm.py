@@ -39,7 +39,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, tp: int = 1, device=None, dtype=None,
                  max_num_seqs: int = 16, max_model_len: int | None = None, kv_cache_memory: int | None = None,
                  numerics: str | None = None, chunk_size: int = 512, max_waiting: int | None = None,
-                 tp_timeout: float = 120.0):
+                 tp_timeout: float = 120.0, enforce_eager: bool = False):
         if tp < 1:
             raise ValueError("tp must be >= 1")
         if max_num_seqs < 1:
@@ -71,6 +71,15 @@ class LLM:
                                  chunk_size, max_waiting)
         if self.workers is not None:
             self.engine.runner.broadcast = self.workers.send
+        if self.device.type == "cuda" and not enforce_eager:
+            if tp > 1:
+                log.warning("CUDA graphs with tp > 1 are not wired yet: running eager")
+            else:
+                from .graphs import DecodeGraphs
+
+                graphs = DecodeGraphs(self.model, self.cache, max_num_seqs, self.max_model_len, self.cache.pad_slot)
+                graphs.capture()
+                self.engine.runner.graphs = graphs
         self.model_path, self.numerics, self.max_num_seqs = path, numerics, max_num_seqs
         log.info("model %s on %s (%s, %s numerics): %d cache blocks of %d tokens, %d slots",
                  path, self.device, str(self.dtype).removeprefix("torch."), numerics, self.cache.num_blocks,

@@ -14,6 +14,7 @@ class ModelRunner:
         self.vocab_size, self.eos = model.cfg.vocab_size, model.cfg.eos_token_id
         self.logits_hook = None  # tests: called with (seqs, logits) before sampling
         self.broadcast = None    # tensor parallel: sends each step to the other ranks first
+        self.graphs = None       # engine.graphs.DecodeGraphs once captured
 
     # A step is described by a plain dict (host ints and lists) so that, under tensor
     # parallelism, rank 0 can send the same description to every rank (engine.parallel.worker).
@@ -33,7 +34,7 @@ class ModelRunner:
     def execute(self, step: dict) -> torch.Tensor:
         if self.broadcast is not None:
             self.broadcast(step)
-        return run_step(self.model, self.cache, step, self.device)
+        return run_step(self.model, self.cache, step, self.device, self.graphs)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> SamplerOutput:
         if self.logits_hook is not None:
@@ -44,10 +45,12 @@ class ModelRunner:
         return self.sampler(logits.float(), batch)
 
 
-def run_step(model, cache: KVCache, step: dict, device) -> torch.Tensor:
+def run_step(model, cache: KVCache, step: dict, device, graphs=None) -> torch.Tensor:
     """Run one step description on this rank's model and cache -> logits [B,V]."""
     for slot in step["reset"]:      # a sequence starts in this slot: empty its running state
         cache.reset_slot(slot)
+    if graphs is not None and step["starts"] is None and graphs.bucket(len(step["ids"])) is not None:
+        return graphs.run(step)
     width = max(len(b) for b in step["blocks"])
     table = [b + [0] * (width - len(b)) for b in step["blocks"]]   # pad: the never-read block 0
     positions = torch.tensor(step["positions"], device=device)

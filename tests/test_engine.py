@@ -116,7 +116,7 @@ def test_requests_joining_mid_run(llm):
 def test_preemption_recomputes_the_same_tokens(tiny_ckpt):
     # A pool of 4 blocks (64 tokens each) for three 40-token prompts growing to 80 tokens.
     small = LLM(tiny_ckpt("tiny", 0), device="cpu", dtype=torch.float32, max_num_seqs=3, numerics="plain")
-    budget = small.cache.slot_bytes() * 3 + small.cache.block_bytes() * 5
+    budget = small.cache.slot_bytes() * small.cache.max_num_seqs + small.cache.block_bytes() * 5
     small = LLM(tiny_ckpt("tiny", 0), device="cpu", dtype=torch.float32, max_num_seqs=3, kv_cache_memory=budget,
                 numerics="plain")
     assert small.cache.num_blocks == 5

@@ -72,7 +72,10 @@ class Experts(nn.Module):
         """Torch reference: x [T,D], weights/idx [T,k] -> sum_k w * expert_k(x) [T,D] fp32.
 
         Loops over the experts that have tokens (host sync): the oracle, not the decode path.
+        On CUDA it takes forward_dense, which a CUDA graph can capture.
         """
+        if x.is_cuda:
+            return self.forward_dense(x, weights, idx)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=up_dtype(x.dtype), device=x.device)
         xs = fp8_sim(x, 128) if self.act_sim else x
         flat = idx.flatten()
@@ -92,6 +95,19 @@ class Experts(nn.Module):
                 a = fp8_sim(a, 128)
             out.index_add_(0, tok, up(F.linear(a, self.w2[e])))
         return out
+
+
+    def forward_dense(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, weighted 0 where not routed: fixed shapes, no host
+        sync. Only for small models and tests; the fused MoE kernel is the real path."""
+        E = self.w1.shape[0]
+        dense = torch.zeros(x.shape[0], E, dtype=weights.dtype, device=x.device).scatter_add_(1, idx, weights)
+        xs = fp8_sim(x, 128) if self.act_sim else x
+        a = swiglu(torch.einsum("td,eid->tei", xs, self.w1), torch.einsum("td,eid->tei", xs, self.w3), self.limit)
+        a = (a * dense[..., None]).to(x.dtype)
+        if self.act_sim:
+            a = fp8_sim(a, 128)
+        return up(torch.einsum("tei,edi->td", a, self.w2))
 
 
 class SharedExpert(nn.Module):
