@@ -17,6 +17,7 @@ from .indexer import Indexer
 from .linear import Linear
 from .norm import RMSNorm, rms_norm
 from .quant_sim import fp8_sim
+from ..kernels import use_kernel
 from .kv_cache import LayerCache, StepContext, entry_loc, window_keys
 from .rope import apply_rope, cos_sin, layer_inv_freq
 from .precision import up
@@ -114,6 +115,8 @@ class Attention(nn.Module):
 
     def forward_cached(self, x: torch.Tensor, ctx: StepContext, cache: LayerCache) -> torch.Tensor:
         """This step's tokens x [B,S,D] against the engine's cache -> [B,S,D]; updates the cache."""
+        if ctx.decode and x.is_cuda and x.dtype == torch.bfloat16 and use_kernel("sparse_attn"):
+            return self.decode_kernels(x, ctx, cache)
         pos = ctx.positions
         cos, sin = cos_sin(pos, self.inv_freq)
         q, kv, qr = self.qkv(x, cos, sin)
@@ -131,3 +134,29 @@ class Attention(nn.Module):
             valid = torch.cat((valid, sel >= 0), dim=2)
         o = attend(q, keys, valid, self.attn_sink, self.scale)
         return self.output(o, cos, sin)
+
+    def decode_kernels(self, x: torch.Tensor, ctx: StepContext, cache: LayerCache) -> torch.Tensor:
+        """Decode (one token per row) through the Triton kernels: the keys are never gathered;
+        the sparse MQA kernel reads them through flat row lists of the ring and the pool."""
+        from ..kernels.sparse_attn import sparse_mqa
+
+        pos = ctx.positions[:, 0]
+        cos, sin = cos_sin(ctx.positions, self.inv_freq)
+        q, kv, qr = self.qkv(x, cos, sin)
+        W = cache.window.shape[1]
+        cache.window[ctx.slots, pos % W] = kv[:, 0].to(cache.window.dtype)
+        key_pos = pos[:, None] - W + 1 + torch.arange(W, device=x.device)                  # [B,W]
+        idx_a = torch.where(key_pos >= 0, ctx.slots[:, None] * W + key_pos % W, -1)
+        kv_b = idx_b = None
+        if self.compressor is not None:
+            self.compressor.step(x, ctx, cache.kv_state, cache.score_state, cache.kv, self.inv_freq)
+            n = ctx.max_len // self.ratio
+            if self.indexer is not None:
+                idx_b = self.indexer.decode_rows(x, qr, cos, sin, ctx, cache, n, self.inv_freq)
+            else:
+                ent = torch.arange(n, device=x.device).expand(len(pos), n)
+                rows = entry_loc(ctx.block_table, ctx.block_tokens, ent, self.ratio)
+                idx_b = torch.where(ent < ((pos + 1) // self.ratio)[:, None], rows, -1)
+            kv_b = cache.kv.flatten(0, 1)
+        o = sparse_mqa(q[:, 0], cache.window.flatten(0, 1), idx_a, kv_b, idx_b, self.attn_sink, self.scale)
+        return self.output(o[:, None], cos, sin)

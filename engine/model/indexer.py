@@ -65,3 +65,16 @@ class Indexer(nn.Module):
         keys = cache.idx_k.flatten(0, 1)[loc]                                   # [B,n,d]
         q, w = self.queries(x, qr, cos, sin)
         return self.select(self.scores(q, w, keys), ctx.positions)
+
+    def decode_rows(self, x, qr, cos, sin, ctx, cache, n: int, inv_freq) -> torch.Tensor:
+        """Decode through the Triton indexer: -> the selected entries' flat pool rows [B, k]
+        (-1 where none), which the attention kernel reads directly."""
+        from ..kernels.indexer import indexer_topk
+
+        self.compressor.step(x, ctx, cache.idx_kv_state, cache.idx_score_state, cache.idx_k, inv_freq)
+        q, w = self.queries(x, qr, cos, sin)
+        visible = (ctx.positions[:, 0] + 1) // self.ratio
+        k = max(1, min(self.topk, n))
+        _, rows = indexer_topk(q[:, 0].contiguous(), w[:, 0].contiguous(), cache.idx_k.flatten(0, 1),
+                               ctx.block_table, ctx.block_tokens // self.ratio, visible, k, max(n, 1))
+        return rows
