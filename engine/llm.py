@@ -63,7 +63,7 @@ class LLM:
             from .parallel.worker import send_step
 
             send_step(num_blocks)
-        self.model = load_model(path, device=self.device, dtype=self.dtype, numerics=numerics)
+        self.model = load_model(path, device=self.device, dtype=self.dtype, numerics=numerics).prepare_kernels()
         self.tokenizer = Tokenizer.from_dir(path)
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.cache = KVCache(cfg, max_num_seqs, budget, self.device, self.dtype, num_blocks=num_blocks)

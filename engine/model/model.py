@@ -47,6 +47,29 @@ class Transformer(nn.Module):
                 m.act_sim = on and quantized in ("fp8", "fp4") and not name.endswith("wo_a")
         return self
 
+    def pack_fp8(self) -> int:
+        """Hold every FP8-format linear's weight as FP8 again (e4m3 + E8M0 per 128x128) for the
+        FP8 GEMM kernel. Exact: the loaded weights are e4m3 values times powers of two, and
+        re-deriving a block's scale can only shrink it by powers of two, which e4m3 absorbs
+        without rounding. wo_a stays bf16, as DeepSeek's converter leaves it. -> count packed."""
+        from .formats import fp8_block_quant
+
+        n = 0
+        for name, m in self.named_modules():
+            if isinstance(m, Linear) and m.fmt == "fp8" and m.weight is not None and not name.endswith("wo_a"):
+                w, s = fp8_block_quant(m.weight.float())
+                m.set_packed(w, s)
+                n += 1
+        return n
+
+    def prepare_kernels(self) -> "Transformer":
+        """On CUDA in bf16, switch the weights to the layouts the Triton kernels read."""
+        from ..kernels import use_kernel
+
+        if self.head.weight.is_cuda and self.dtype == torch.bfloat16 and use_kernel("fp8_gemm"):
+            self.pack_fp8()
+        return self
+
     def hidden(self, input_ids: torch.Tensor, attn_fns=None) -> torch.Tensor:
         """ids [B,S] -> the last block's output streams [B,S,hc,D]."""
         h = self.embed(input_ids)[:, :, None, :].expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
@@ -61,7 +84,11 @@ class Transformer(nn.Module):
         return self.head_logits(y)
 
     def head_logits(self, y: torch.Tensor) -> torch.Tensor:
-        # vocab-parallel head: each rank's slice of the logits, gathered in rank order
+        # vocab-parallel head: each rank's slice of the logits, gathered in rank order. DeepSeek
+        # computes it in fp32; in bf16 models the GEMM stays bf16 (fp32 accumulate) rather than
+        # casting the whole [vocab, dim] weight every step.
+        if y.dtype == torch.bfloat16:
+            return all_gather_last(torch.nn.functional.linear(y, self.head.weight).float())
         return all_gather_last(torch.nn.functional.linear(up(y), up(self.head.weight)))
 
     @torch.inference_mode()

@@ -11,7 +11,7 @@ from .state import group, tp_size
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if tp_size() > 1:
+    if tp_size() > 1 and group() is not None:   # no group: a simulated rank (bench)
         dist.all_reduce(x, group=group())
     return x
 
@@ -20,6 +20,8 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's x along the last dim (rank order)."""
     if tp_size() == 1:
         return x
+    if group() is None:                          # a simulated rank: right shape, copies of x
+        return x.repeat(*([1] * (x.dim() - 1)), tp_size())
     parts = [torch.empty_like(x) for _ in range(tp_size())]
     dist.all_gather(parts, x.contiguous(), group=group())
     return torch.cat(parts, dim=-1)

@@ -51,6 +51,13 @@ def from_torchrun() -> tuple[int, int] | None:
     return None
 
 
+def simulate(rank: int, size: int):
+    """Pose as one rank of `size` with no group: the model builds its shards, collectives are
+    skipped (bench/decode.py times one rank and models the all-reduces)."""
+    global _rank, _size, _group, _cpu_group
+    _rank, _size, _group, _cpu_group = rank, size, None, None
+
+
 def shutdown():
     global _rank, _size, _group, _cpu_group
     if dist.is_initialized():

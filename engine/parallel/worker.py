@@ -68,7 +68,7 @@ def build_rank(spec: dict, device):
     from ..model import load_model
 
     num_blocks = recv_step()   # rank 0 sizes the pool; every rank must agree on block ids
-    model = load_model(spec["path"], device=device, dtype=spec["dtype"], numerics=spec["numerics"])
+    model = load_model(spec["path"], device=device, dtype=spec["dtype"], numerics=spec["numerics"]).prepare_kernels()
     cache = KVCache(model.cfg, spec["max_num_seqs"], 0, device, spec["dtype"], num_blocks=num_blocks)
     return model, cache
 
