@@ -154,8 +154,10 @@ class EngineCore:
         self.stats["generation_tokens"] += 1
         if p.logprobs is not None:
             lp = {tok: float(out.logprobs[row])}
-            for t, v in zip(out.top_logprob_ids[row, :p.logprobs].tolist(), out.top_logprobs[row, :p.logprobs].tolist()):
-                lp.setdefault(t, v)
+            if p.logprobs:  # logprobs=0: the chosen token only (the sampler then returns no top-k)
+                for t, v in zip(out.top_logprob_ids[row, :p.logprobs].tolist(),
+                                out.top_logprobs[row, :p.logprobs].tolist()):
+                    lp.setdefault(t, v)
             seq.logprobs.append(lp)
         req = self.requests[seq.request_id]
         if req.first_token_time is None:

@@ -1,0 +1,65 @@
+"""python -m engine.serve: an OpenAI-compatible HTTP server over one LLM.
+
+    python -m engine.serve --model /path/to/DeepSeek-V4-Flash --port 8000
+    python -m engine.serve            # the embedded tiny checkpoint (built on first use)
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+log = logging.getLogger("engine.serve")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m engine.serve", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny checkpoint)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
+    # from the environment too, so a key need not show up in `ps`
+    p.add_argument("--api-key", default=os.environ.get("ENGINE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $ENGINE_API_KEY, else none)")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--max-waiting", type=int, default=None, help="queued requests beyond this get 503")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if present)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from .llm import LLM, default_model_dir
+    from .server.app import build_app
+
+    if args.model is None:
+        log.info("no --model given: using the embedded tiny checkpoint (building it if needed)")
+    try:
+        model = args.model or default_model_dir()
+        llm = LLM(model, tp=args.tp, device=args.device, max_num_seqs=args.max_num_seqs,
+                  max_waiting=args.max_waiting)
+    except (FileNotFoundError, NotImplementedError, ValueError) as e:
+        log.error("cannot start: %s", e)
+        return 2
+    app = build_app(llm, args.served_model_name, api_key=args.api_key)
+    name = app.state.server.model_name
+    cache = llm.cache
+    log.info("model %s served as %r on %s, tp=%d, %s, %s numerics", llm.model_path, name, llm.device, args.tp,
+             str(llm.dtype).removeprefix("torch."), llm.numerics)
+    usable = cache.num_blocks - 1  # block 0 is the cache's write sink
+    log.info("KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d, max_num_seqs %d, max_waiting %s",
+             usable, cache.block_tokens, usable * cache.block_tokens, llm.max_model_len,
+             llm.max_num_seqs, args.max_waiting if args.max_waiting is not None else "unlimited")
+    log.info("OpenAI API at http://%s:%d/v1%s", args.host, args.port, " (API key required)" if args.api_key else "")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
