@@ -16,7 +16,7 @@ def _greedy(llm, prompts):
 
     def hook(seqs, logits):
         for s, row in zip(seqs, logits):
-            seen[(s.request_id, len(s.output_ids))] = row.float().clone()
+            seen[(tuple(s.prompt_ids), len(s.output_ids))] = row.float().clone()
 
     llm.engine.runner.logits_hook = hook
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
