@@ -103,7 +103,7 @@ def step_bytes(model, cfg, tp: int, batch: int, ctx_len: int) -> int:
     """Bytes one decode step must read at least: weights touched once, plus each sequence's keys."""
     total = 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if "experts.w" in name or name.endswith(("embed.weight", "inv_freq", "tid2eid")):
+        if "experts.w" in name or name.endswith(("embed.weight", "inv_freq", "tid2eid")) or t is None:
             continue
         total += t.numel() * t.element_size()
     for m in model.modules():
@@ -112,7 +112,11 @@ def step_bytes(model, cfg, tp: int, batch: int, ctx_len: int) -> int:
     E, k = cfg.n_routed_experts, cfg.n_activated_experts
     touched = E * (1 - (1 - 1 / E) ** (batch * k))                  # expected distinct experts
     experts = model.layers[0].ffn.experts
-    per_expert = sum(getattr(experts, w)[0].numel() * getattr(experts, w).element_size() for w in ("w1", "w2", "w3"))
+    if experts.packed is not None:
+        p = experts.packed
+        per_expert = sum(t.numel() * t.element_size() for t in (p.w13, p.s13, p.w2, p.s2)) // p.E
+    else:
+        per_expert = sum(getattr(experts, w)[0].numel() * getattr(experts, w).element_size() for w in ("w1", "w2", "w3"))
     total += int(cfg.n_layers * touched * per_expert)
     kv = 0
     for i in range(cfg.n_layers):

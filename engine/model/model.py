@@ -9,6 +9,7 @@ from .block import Block
 from .config import ModelConfig
 from .linear import Embedding, Linear
 from .mhc import hc_head
+from .moe import Experts
 from .mtp import MTPBlock
 from .norm import RMSNorm
 from .precision import up
@@ -66,8 +67,15 @@ class Transformer(nn.Module):
         """On CUDA in bf16, switch the weights to the layouts the Triton kernels read."""
         from ..kernels import use_kernel
 
-        if self.head.weight.is_cuda and self.dtype == torch.bfloat16 and use_kernel("fp8_gemm"):
+        if not (self.head.weight.is_cuda and self.dtype == torch.bfloat16):
+            return self
+        if use_kernel("fp8_gemm"):
             self.pack_fp8()
+        if use_kernel("fused_moe") and self.cfg.expert_dtype == "fp4" and self.cfg.dim % 128 == 0:
+            for m in self.modules():
+                if isinstance(m, Experts) and m.w1.shape[1] % 128 == 0:
+                    m.pack()
+                    torch.cuda.empty_cache()
         return self
 
     def hidden(self, input_ids: torch.Tensor, attn_fns=None) -> torch.Tensor:

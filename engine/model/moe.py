@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.comm import all_reduce, shard
+from ..kernels import use_kernel
 from .config import ModelConfig
 from .linear import Linear
 from .quant_sim import fp8_sim
@@ -67,6 +68,21 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(E, I, D, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, D, I, dtype=dtype), requires_grad=False)
         self.act_sim = False
+        self.packed = None    # engine.kernels.fused_moe.PackedExperts once pack() ran
+
+    def pack(self):
+        """Hold the experts as MXFP4 in the fused MoE kernel's layout; the dequantised weights are
+        dropped. Exact for weights loaded from MXFP4: re-deriving a block's power-of-two scale
+        only ever halves it while the codes double, which stays on the e2m1 grid."""
+        from ..kernels.fused_moe import pack_experts
+        from .formats import mxfp4_quant
+
+        def quant(w):   # [E,out,in] -> (codes [E,out,in/2], scales [E,out,in/32])
+            parts = [mxfp4_quant(w[e].float()) for e in range(w.shape[0])]
+            return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+        self.packed = pack_experts(quant(self.w1), quant(self.w3), quant(self.w2), "mxfp4")
+        self.w1 = self.w2 = self.w3 = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Torch reference: x [T,D], weights/idx [T,k] -> sum_k w * expert_k(x) [T,D] fp32.
@@ -74,6 +90,12 @@ class Experts(nn.Module):
         Loops over the experts that have tokens (host sync): the oracle, not the decode path.
         On CUDA it takes forward_dense, which a CUDA graph can capture.
         """
+        if self.packed is not None:
+            from ..kernels.fused_moe import fused_moe, fused_moe_ref
+
+            moe = fused_moe if x.is_cuda and use_kernel("fused_moe") else fused_moe_ref
+            # W4A16: in reference numerics only the input gets DeepSeek's FP8 rounding here
+            return up(moe(fp8_sim(x, 128) if self.act_sim else x, weights, idx, self.packed, self.limit))
         if x.is_cuda:
             if idx.numel() < self.w1.shape[0]:
                 return self.forward_gathered(x, weights, idx)
