@@ -1,0 +1,529 @@
+"""Fused routed-expert MoE, W4A16: e2m1 weights stay packed and are decoded inside the GEMMs.
+
+fused_moe(x [T,D], topk_weights [T,k] fp32, topk_ids [T,k], packed, swiglu_limit) -> [T,D] fp32
+computes what engine/model/moe.py Experts.forward computes, in four launches, no host sync:
+  1. _align_kernel   (pairs = T*k (token, slot) entries) sorts the pairs by expert and pads each
+                     expert's group to BLOCK_M rows: sorted pair ids + one expert id per block
+                     (-1 = unused block). Sized from the bound T*k + min(E,T*k)*(BM-1), so the
+                     grids below are fixed per (T, k, E) and the op is CUDA-graph safe.
+  2. _gate_up_kernel per (block, 64 intermediate cols, K split): the gate and up rows of one
+                     [128, 128] tile are decoded to bf16 and hit wgmma as the register A operand
+                     against the gathered activations (swap-AB: weights are M, tokens are N, so a
+                     lone decode token still fills the instruction's big side); the epilogue does
+                     the clamped SwiGLU, the routing weight, the bf16 rounding (as the reference).
+                     Small batches split K; the last-arriving split (an atomic ticket) sums the
+                     partial tiles in a fixed order, so results are deterministic.
+  3. _down_kernel    per (block, 128 hidden rows): w2 against the intermediate, one fp32 row per
+                     (token, slot) pair.
+  4. _sum_kernel     sums a token's k slot rows in slot order (deterministic, no atomics) and
+                     skips ids outside [0, E) (experts that live on another EP rank).
+
+Packed layout (pack_experts; kernel-friendly, not the checkpoint's): weights are cut into
+[128 rows, 128 k] tiles, each 2048 int32 words, stored contiguously in K-loop order:
+w13 [E, I/64, D/128, 2048] (tile rows 0-63 = w1 rows j*64.., rows 64-127 = the same w3 rows),
+w2 [E, D/128, I/128, 2048]. Word ((half*2 + g)*128 + t)*4 + wr, t = 32*warp + 4*lrow + lk, holds
+the 8 nibbles that thread t needs for rows n = 64*half + 16*warp + 8*r1 + lrow and
+k = 64*g + 16*wr + 8*r2 + 2*lk + h (r1, r2, h in {0,1}): exactly its wgmma A-fragment registers,
+so one thread's 4 words are one 16-byte load and no shuffle ever runs. Inside a word the nibble
+bits are placed (_SIGN_POS/_MAG_POS) so 11 logic ops turn 8 nibbles into four bf16x2 registers
+holding e2m1 * 2^-126 (sign -> bit 15, e1 e0 m -> bits 8..6).
+Block scales are one byte each, [128 rows, 128/SB] per tile in thread order [warp, lrow, half,
+blk, r1]: NVFP4 e4m3 is recoded to "e5m3" (byte<<4 + 0x7580 is bf16 scale * 2^118, exact,
+subnormal e4m3 included; a zero scale zeroes its nibbles); MXFP4 e8m0 is shifted per expert so
+byte<<7 is bf16 2^(e8m0-127) * 2^(254-max). The leftover factors (NVFP4: weight_scale_2 * 2^8,
+MXFP4: 2^(max-128)) are alpha [E, 3] (gate, up, down), applied to the fp32 accumulators.
+e2m1 * scale is exact in bf16, so the only rounding before fp32 accumulation is the activation's.
+
+Under TRITON_INTERPRET=1 (CPU tests) the same kernels run with the decode in plain Triton ops
+and the math in fp32 (the interpreter has no inline asm and no bf16 arithmetic).
+"""
+import functools
+import math
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.model.formats import E2M1_VALUES
+
+BM_CHOICES = (16, 32, 64)    # routed rows per block (the wgmma N); 16 is the instruction minimum
+ALIGN_MAX = 4096             # pairs the one-program align kernel sorts in registers; more -> torch
+_SIGN: tl.constexpr = tl.constexpr(0x80008000)
+_MAG: tl.constexpr = tl.constexpr(0x01C001C0)
+# Per word nibble slot j = 2*q + h (q = r1 + 2*r2): bit of its sign and lowest bit of its e1e0m.
+_SIGN_POS = (15, 31, 14, 30, 13, 29, 9, 25)
+_MAG_POS = (6, 22, 3, 19, 26, 10, 0, 16)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------- packing (load time)
+
+@functools.lru_cache(maxsize=None)
+def _tile_tables(nb: int):
+    """(word slot -> flat n*128+k [2048, 8], scale byte -> flat n*nb+blk [128*nb]) for one tile."""
+    half, g, t, wr, q, h = torch.meshgrid(*[torch.arange(s) for s in (2, 2, 128, 4, 4, 2)], indexing="ij")
+    warp, lrow, lk = t // 32, (t // 4) % 8, t % 4
+    n = 64 * half + 16 * warp + 8 * (q % 2) + lrow
+    k = 64 * g + 16 * wr + 8 * (q // 2) + 2 * lk + h
+    words = (n * 128 + k).reshape(2048, 8)
+    warp, lrow, half, blk, r1 = torch.meshgrid(*[torch.arange(s) for s in (4, 8, 2, nb, 2)], indexing="ij")
+    scales = ((64 * half + 16 * warp + 8 * r1 + lrow) * nb + blk).reshape(-1)
+    return words, scales
+
+
+def _tiles(m: torch.Tensor, cols: int) -> torch.Tensor:
+    """[E, R, C] -> [E, R/128, C/cols, 128*cols]: 128-row x cols-column tiles, each row-major."""
+    E, R, C = m.shape
+    return m.reshape(E, R // 128, 128, C // cols, cols).permute(0, 1, 3, 2, 4).reshape(E, R // 128, C // cols, -1)
+
+
+def _pack_words(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes [E, R, C] -> int32 words [E, R/128, C/128, 2048]."""
+    src, _ = _tile_tables(1)
+    c = _tiles(codes, 128)[..., src.to(codes.device)].to(torch.int64)        # [.., 2048, 8]
+    sign = torch.tensor(_SIGN_POS, device=codes.device)
+    mag = torch.tensor(_MAG_POS, device=codes.device)
+    w = (((c & 7) << mag) | ((c >> 3) << sign)).sum(-1)                        # disjoint bits
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
+def _unpack_words(words: torch.Tensor, R: int, C: int) -> torch.Tensor:
+    """Inverse of _pack_words -> codes uint8 [E, R, C]."""
+    src, _ = _tile_tables(1)
+    w = words.to(torch.int64)[..., None] & 0xFFFFFFFF
+    sign = torch.tensor(_SIGN_POS, device=words.device)
+    mag = torch.tensor(_MAG_POS, device=words.device)
+    c = ((w >> mag) & 7) | (((w >> sign) & 1) << 3)                           # [E, RT, CT, 2048, 8]
+    tiles = torch.empty(*words.shape[:3], 128 * 128, dtype=torch.uint8, device=words.device)
+    tiles[..., src.to(words.device).reshape(-1)] = c.reshape(*words.shape[:3], -1).to(torch.uint8)
+    E, RT, CT = words.shape[:3]
+    return tiles.reshape(E, RT, CT, 128, 128).permute(0, 1, 3, 2, 4).reshape(E, R, C)
+
+
+def _codes(packed: torch.Tensor) -> torch.Tensor:
+    b = packed.view(torch.uint8)
+    return torch.stack((b & 0xF, b >> 4), -1).reshape(*b.shape[:-1], -1)
+
+
+def _recode_scales(proj, fmt: str):
+    """One projection's checkpoint tensors -> (codes [E,R,C], scale bytes [E,R,C/SB], alpha [E])."""
+    if fmt == "nvfp4":
+        w, s, s2 = proj
+        s = s.float()
+        if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
+            raise ValueError("NVFP4 weight_scale must be finite and >= 0")
+        mant, ex = torch.frexp(s)
+        byte = torch.where(s > 0, (ex + 9) * 8 + ((mant * 2 - 1) * 8).round().to(torch.int32), 0)
+        codes = _codes(w) * (s > 0).repeat_interleave(16, -1)                   # zero scale -> zero block
+        alpha = s2.float().reshape(-1).expand(w.shape[0]) * 256.0
+        return codes, byte.to(torch.uint8), alpha
+    w, s = proj
+    b = s.view(torch.uint8).to(torch.int32)
+    if bool((b == 255).any()):
+        raise ValueError("MXFP4 e8m0 scale contains 0xFF (NaN)")
+    bmax = b.flatten(1).amax(1)                                                # [E]
+    byte = (b + (254 - bmax)[:, None, None]).clamp(0, 254)
+    return _codes(w), byte.to(torch.uint8), torch.ldexp(torch.ones_like(bmax, dtype=torch.float32),
+                                                        (bmax - 128).to(torch.int32))
+
+
+@dataclass
+class PackedExperts:
+    """Kernel layout of E experts (see the module docstring). D hidden, I intermediate (per rank)."""
+    fmt: str
+    E: int
+    D: int
+    I: int
+    w13: torch.Tensor      # int32 [E, I/64, D/128, 2048]
+    s13: torch.Tensor      # uint8 [E, I/64, D/128, 128*128/SB]
+    w2: torch.Tensor       # int32 [E, D/128, I/128, 2048]
+    s2: torch.Tensor       # uint8 [E, D/128, I/128, 128*128/SB]
+    alpha: torch.Tensor    # fp32 [E, 3]: gate, up, down accumulator multipliers
+
+    @property
+    def block(self) -> int:
+        return 16 if self.fmt == "nvfp4" else 32
+
+
+def pack_experts(w1, w3, w2, fmt: str) -> PackedExperts:
+    """Checkpoint experts -> PackedExperts. Each projection is a tuple of stacked [E, ...] tensors:
+    mxfp4: (weight uint8/int8 [E,out,in/2], scale e8m0 [E,out,in/32]);
+    nvfp4: (weight [E,out,in/2], weight_scale e4m3 [E,out,in/16], weight_scale_2 fp32 [E] or [E,1]).
+    Low nibble = even input column. w1, w3: [E, I, D/2]; w2: [E, D, I/2]."""
+    if fmt not in ("mxfp4", "nvfp4"):
+        raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
+    (c1, b1, a1), (c3, b3, a3), (c2, b2, a2) = (_recode_scales(p, fmt) for p in (w1, w3, w2))
+    E, I, D = c1.shape
+    if D % 128 or I % 128 or c2.shape != (E, D, I) or c3.shape != c1.shape:
+        raise ValueError(f"need w1/w3 [E,I,D], w2 [E,D,I] with D, I multiples of 128; got "
+                         f"{tuple(c1.shape)}, {tuple(c3.shape)}, {tuple(c2.shape)}")
+    nb = 128 // (16 if fmt == "nvfp4" else 32)
+    _, ssrc = _tile_tables(nb)
+
+    def inter(a, b):          # gate/up rows alternate in groups of 64: one tile = 64 gate + 64 up rows
+        return torch.stack((a.reshape(E, I // 64, 64, -1), b.reshape(E, I // 64, 64, -1)), 2).reshape(E, 2 * I, -1)
+
+    def scales(s):
+        return _tiles(s, nb)[..., ssrc.to(s.device)].contiguous()
+
+    return PackedExperts(fmt, E, D, I, _pack_words(inter(c1, c3)), scales(inter(b1, b3)),
+                         _pack_words(c2), scales(b2), torch.stack((a1, a3, a2), 1).float().contiguous())
+
+
+def _scale_values(b: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Stored scale bytes -> the fp64 value of the bf16 scale the kernel builds from them."""
+    b = b.to(torch.float64)
+    if fmt == "mxfp4":
+        return torch.exp2(b - 127)
+    return torch.exp2(torch.floor(b / 8) + 108) * (1 + (b % 8) / 8)
+
+
+def dequant_experts(p: PackedExperts):
+    """PackedExperts -> (w1 [E,I,D], w3 [E,I,D], w2 [E,D,I]) fp32, by the kernel's arithmetic."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=p.w13.device) * 2.0**-126
+    nb = 128 // p.block
+    _, ssrc = _tile_tables(nb)
+
+    def one(words, sc, R, C, alpha):
+        vals = lut[_unpack_words(words, R, C).long()]
+        s = torch.empty_like(sc)
+        s[..., ssrc.to(sc.device)] = sc
+        E, RT, CT = sc.shape[:3]
+        s = s.reshape(E, RT, CT, 128, nb).permute(0, 1, 3, 2, 4).reshape(E, R, C // p.block)
+        s = _scale_values(s, p.fmt).repeat_interleave(p.block, -1)
+        return vals * s * alpha.to(torch.float64).reshape(E, *([1] * (vals.dim() - 1)))
+
+    E, I, D = p.E, p.I, p.D
+    g13 = one(p.w13, p.s13, 2 * I, D, torch.ones(E, device=p.w13.device)).reshape(E, I // 64, 2, 64, D)
+    w1 = (g13[:, :, 0].reshape(E, I, D) * p.alpha[:, 0, None, None].double()).float()
+    w3 = (g13[:, :, 1].reshape(E, I, D) * p.alpha[:, 1, None, None].double()).float()
+    return w1, w3, one(p.w2, p.s2, D, I, p.alpha[:, 2]).float()
+
+
+# ----------------------------------------------------------------------------- routing
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, N, E, P_MAX, B_MAX,
+                  BM: tl.constexpr, NP: tl.constexpr, EP: tl.constexpr):
+    offs = tl.arange(0, NP)
+    e = tl.load(ids_ptr + offs, mask=offs < N, other=-1).to(tl.int32)
+    e = tl.where((e >= 0) & (e < E), e, E)                    # invalid ids and padding: bucket E
+    cnt = tl.histogram(e, EP)
+    eix = tl.arange(0, EP)
+    padded = tl.where(eix < E, (cnt + BM - 1) // BM * BM, 0)
+    pstart = tl.cumsum(padded, 0) - padded
+    cstart = tl.cumsum(cnt, 0) - cnt
+    key = tl.sort(e * NP + offs)                              # by expert, then pair: stable
+    se = key // NP
+    rank = offs - tl.gather(cstart, se, 0)                    # position inside the expert's group
+    dest = tl.gather(pstart, se, 0) + rank
+    ok = se < E
+    for i in range(0, tl.cdiv(P_MAX, NP)):
+        o = i * NP + offs
+        tl.store(sorted_ptr + o, tl.full([NP], N, tl.int32), mask=o < P_MAX)   # padding rows: sentinel N
+    for i in range(0, tl.cdiv(B_MAX, NP)):
+        o = i * NP + offs
+        tl.store(bexp_ptr + o, tl.full([NP], -1, tl.int32), mask=o < B_MAX)
+    tl.debug_barrier()                                        # the fills land before the scatter
+    tl.store(sorted_ptr + dest, key % NP, mask=ok)
+    tl.store(bexp_ptr + dest // BM, se, mask=ok & (rank % BM == 0))
+
+
+def align_bounds(n_pairs: int, E: int, bm: int) -> tuple[int, int]:
+    """(padded rows, blocks) upper bounds: at most min(E, pairs) experts each waste < bm rows."""
+    b = (n_pairs + min(E, n_pairs) * (bm - 1)) // bm
+    return b * bm, b
+
+
+def moe_align_ref(topk_ids: torch.Tensor, E: int, bm: int):
+    """Torch version of _align_kernel (fixed shapes, no host sync): (sorted [P] int32, bexp [B] int32)."""
+    flat = topk_ids.reshape(-1).long()
+    N, dev = flat.numel(), flat.device
+    P, B = align_bounds(N, E, bm)
+    e = torch.where((flat >= 0) & (flat < E), flat, E)
+    order = torch.sort(e * N + torch.arange(N, device=dev)).indices
+    se = e[order]
+    cnt = torch.bincount(e, minlength=E + 1)
+    padded = torch.where(torch.arange(E + 1, device=dev) < E, (cnt + bm - 1) // bm * bm, 0)
+    rank = torch.arange(N, device=dev) - (torch.cumsum(cnt, 0) - cnt)[se]
+    dest = torch.where(se < E, (torch.cumsum(padded, 0) - padded)[se] + rank, P)
+    sorted_ids = torch.full((P + 1,), N, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    bexp = torch.full((B + 1,), -1, dtype=torch.int32, device=dev)
+    first = (se < E) & (rank % bm == 0)
+    bexp.scatter_(0, torch.where(first, dest // bm, B), se.to(torch.int32))
+    return sorted_ids[:P], bexp[:B]
+
+
+def moe_align(topk_ids: torch.Tensor, E: int, bm: int):
+    N = topk_ids.numel()
+    if N > ALIGN_MAX:
+        return moe_align_ref(topk_ids, E, bm)
+    P, B = align_bounds(N, E, bm)
+    sorted_ids = torch.empty(P, dtype=torch.int32, device=topk_ids.device)
+    bexp = torch.empty(B, dtype=torch.int32, device=topk_ids.device)
+    NP = max(16, triton.next_power_of_2(N))
+    _align_kernel[(1,)](topk_ids.reshape(-1), sorted_ids, bexp, N, E, P, B, BM=bm, NP=NP,
+                        EP=triton.next_power_of_2(E + 1), num_warps=8)
+    return sorted_ids, bexp
+
+
+# ----------------------------------------------------------------------------- decode
+
+@triton.jit
+def _decode_asm(w):
+    """int32 words -> 8 bf16 (pairs q0h0, q0h1, .., q3h1) = e2m1 * 2^-126; 11 logic ops per word."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t0, t1, t2, t3, a, b;
+        and.b32 t0, $8, 0x81C081C0;
+        shl.b32 a, $8, 1; shl.b32 b, $8, 3;
+        and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 t1, a, b;
+        shl.b32 a, $8, 2; shf.l.wrap.b32 b, $8, $8, 12;
+        and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 t2, a, b;
+        shl.b32 t3, $8, 6; and.b32 t3, t3, 0x81C081C0;
+        mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; mov.b32 {$4, $5}, t2; mov.b32 {$6, $7}, t3;
+        }""",
+        "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16_halves(q, F32: tl.constexpr):
+    if F32:   # straight to fp32 bits: the interpreter flushes bf16 subnormals (the 0.5 code) in casts
+        return (q << 16).to(tl.float32, bitcast=True), (q & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return ((q & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True),
+            (q >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True))
+
+
+@triton.jit
+def _decode_ops(w, F32: tl.constexpr):
+    """Plain-op twin of _decode_asm (interpreter, or ASM=False)."""
+    u = w.to(tl.uint32, bitcast=True)
+    a0, a1 = _bf16_halves(u & (_SIGN | _MAG), F32)
+    b0, b1 = _bf16_halves(((u << 1) & _SIGN) | ((u << 3) & _MAG), F32)
+    c0, c1 = _bf16_halves(((u << 2) & _SIGN) | (((u << 12) | (u >> 20)) & _MAG), F32)
+    d0, d1 = _bf16_halves((u << 6) & (_SIGN | _MAG), F32)
+    return a0, a1, b0, b1, c0, c1, d0, d1
+
+
+@triton.jit
+def _scales_bf16(s, MX: tl.constexpr, ASM: tl.constexpr):
+    """Stored scale bytes -> bf16 scales (see module docstring); asm spreads 4 bytes per 2 ops."""
+    if ASM:
+        if MX:
+            return tl.inline_asm_elementwise(
+                """{ .reg .b32 a, b; prmt.b32 a, $2, 0, 0x4140; prmt.b32 b, $2, 0, 0x4342;
+                shl.b32 $0, a, 7; shl.b32 $1, b, 7; }""",
+                "=r,=r,r", [s], dtype=tl.bfloat16, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(
+            """{ .reg .b32 a, b; prmt.b32 a, $2, 0, 0x4140; prmt.b32 b, $2, 0, 0x4342;
+            mad.lo.u32 $0, a, 16, 0x75807580; mad.lo.u32 $1, b, 16, 0x75807580; }""",
+            "=r,=r,r", [s], dtype=tl.bfloat16, is_pure=True, pack=4)
+    s = s.to(tl.uint16)
+    if MX:
+        return (s << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return ((s << 4) + 0x7580).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _weight_tile(words, sc, MX: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
+    """words [2 half, 2 g, 128 t, 4 wr] int32, sc [32, 4*NB] uint8 -> W [128 n, 128 k] (bf16, fp32 if F32).
+
+    The joins and permutes only rename registers: the result is already wgmma's A layout."""
+    NB: tl.constexpr = 4 if MX else 8
+    if ASM:
+        a0, a1, b0, b1, c0, c1, d0, d1 = _decode_asm(words)
+    else:
+        a0, a1, b0, b1, c0, c1, d0, d1 = _decode_ops(words, F32)
+    lo = tl.join(tl.join(a0, c0), tl.join(b0, d0))                # [.., r1, r2] for h = 0
+    hi = tl.join(tl.join(a1, c1), tl.join(b1, d1))
+    w = tl.join(lo, hi)                                           # [half, g, t, wr, r2, r1, h]
+    w = w.reshape(2, 2, 4, 8, 4, 4, 2, 2, 2)                       # t -> (warp, lrow, lk)
+    w = w.permute(0, 2, 7, 3, 1, 5, 6, 4, 8).reshape(128, 128)     # (half, warp, r1, lrow) x (g, wr, r2, lk, h)
+    s = _scales_bf16(sc, MX, ASM).reshape(4, 8, 2, NB, 2).permute(2, 0, 4, 1, 3).reshape(128, NB)
+    if F32:
+        w = w.to(tl.float32).reshape(128, NB, 128 // NB) * s.to(tl.float32)[:, :, None]
+    else:
+        w = w.reshape(128, NB, 128 // NB) * s[:, :, None]
+    return w.reshape(128, 128)
+
+
+@triton.jit
+def _mainloop(w_ptr, s_ptr, b_ptr, row_off, row_ok, kt0, kt1,
+              BM: tl.constexpr, MX: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
+    """acc [128, BM] = sum over k tiles kt0..kt1 of W_tile(kt) @ B[rows, kt*128:+128]^T.
+
+    w_ptr/s_ptr point at the tile row's k-tile 0; B row r starts at b_ptr + row_off[r]."""
+    NB: tl.constexpr = 4 if MX else 8
+    woff = (((tl.arange(0, 2)[:, None, None, None] * 2 + tl.arange(0, 2)[None, :, None, None]) * 128
+             + tl.arange(0, 128)[None, None, :, None]) * 4 + tl.arange(0, 4)[None, None, None, :])
+    soff = tl.arange(0, 32)[:, None] * (4 * NB) + tl.arange(0, 4 * NB)[None, :]
+    rk = tl.arange(0, 128)
+    acc = tl.zeros([128, BM], tl.float32)
+    for kt in range(kt0, kt1):
+        wt = _weight_tile(tl.load(w_ptr + kt * 2048 + woff), tl.load(s_ptr + kt * 128 * NB + soff), MX, ASM, F32)
+        xb = tl.load(b_ptr + row_off[:, None] + (kt * 128 + rk)[None, :], mask=row_ok[:, None], other=0.0)
+        if F32:
+            acc = tl.dot(wt, tl.trans(xb.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(wt, tl.trans(xb), acc)
+    return acc
+
+
+# ----------------------------------------------------------------------------- expert GEMMs
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, tw_ptr, h_ptr, ws_ptr, cnt_ptr,
+                    N, D, I, stride_x, limit, KT_PER,
+                    TOPK: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr,
+                    MX: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
+    b, j, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = tl.load(bexp_ptr + b)
+    if e < 0:
+        return
+    NB: tl.constexpr = 4 if MX else 8
+    NT, KT = I // 64, D // 128
+    rows = b * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ptr + rows)
+    ok = pair < N
+    tile = (e * NT + j).to(tl.int64) * KT
+    kt0 = sp * KT_PER
+    acc = _mainloop(w_ptr + tile * 2048, s_ptr + tile * 128 * NB, x_ptr, (pair // TOPK).to(tl.int64) * stride_x,
+                    ok, kt0, tl.minimum(kt0 + KT_PER, KT), BM, MX, ASM, F32)
+    if SPLIT > 1:
+        # Partial tiles go to their own slot; the last split to take a ticket adds them in split order.
+        toff = tl.arange(0, 128)[:, None] * BM + tl.arange(0, BM)[None, :]
+        slot = ws_ptr + ((b * NT + j) * SPLIT).to(tl.int64) * (128 * BM)
+        tl.store(slot + sp * (128 * BM) + toff, acc)
+        tl.debug_barrier()                                    # every thread's partial precedes the ticket
+        if tl.atomic_add(cnt_ptr + b * NT + j, 1, sem="acq_rel", scope="gpu") != SPLIT - 1:
+            return
+        acc = tl.load(slot + toff, cache_modifier=".cg")
+        for i in tl.static_range(1, SPLIT):
+            acc += tl.load(slot + i * (128 * BM) + toff, cache_modifier=".cg")
+        tl.store(cnt_ptr + b * NT + j, 0)                     # re-armed for the next call / replay
+    g, u = acc.reshape(2, 64, BM).permute(1, 2, 0).split()
+    g = tl.minimum(g * tl.load(alpha_ptr + e * 3), limit)
+    u = tl.minimum(tl.maximum(u * tl.load(alpha_ptr + e * 3 + 1), -limit), limit)
+    wr = tl.load(tw_ptr + pair, mask=ok, other=0.0)
+    h = g * tl.sigmoid(g) * u * wr[None, :]                   # [64, BM]; routing weight before w2
+    cols = j * 64 + tl.arange(0, 64)
+    tl.store(h_ptr + rows.to(tl.int64)[None, :] * I + cols[:, None], h.to(h_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, y_ptr, N, D, I,
+                 BM: tl.constexpr, MX: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
+    b, j = tl.program_id(0), tl.program_id(1)
+    e = tl.load(bexp_ptr + b)
+    if e < 0:
+        return
+    NB: tl.constexpr = 4 if MX else 8
+    KT = I // 128
+    rows = b * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ptr + rows)
+    ok = pair < N
+    tile = (e * (D // 128) + j).to(tl.int64) * KT
+    acc = _mainloop(w_ptr + tile * 2048, s_ptr + tile * 128 * NB, h_ptr, rows.to(tl.int64) * I, ok,
+                    0, KT, BM, MX, ASM, F32)
+    y = acc * tl.load(alpha_ptr + e * 3 + 2)
+    n = j * 128 + tl.arange(0, 128)
+    tl.store(y_ptr + pair.to(tl.int64)[None, :] * D + n[:, None], y, mask=ok[None, :])
+
+
+@triton.jit
+def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, TOPK: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    n = tl.program_id(1) * BD + tl.arange(0, BD)
+    acc = tl.zeros([BT, BD], tl.float32)
+    for s in tl.static_range(TOPK):
+        e = tl.load(ids_ptr + t * TOPK + s, mask=t < T, other=-1)
+        live = (e >= 0) & (e < E)
+        row = (t * TOPK + s).to(tl.int64) * D
+        acc += tl.load(y_ptr + row[:, None] + n[None, :], mask=live[:, None] & (n < D)[None, :], other=0.0)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * D + n[None, :], acc, mask=(t < T)[:, None] & (n < D)[None, :])
+
+
+# ----------------------------------------------------------------------------- host side
+
+@functools.lru_cache(maxsize=None)
+def _n_sm(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4                   # interpreter: a few "SMs" so small tests still take the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def moe_config(T: int, k: int, E: int, I: int, D: int, n_sm: int) -> tuple[int, int]:
+    """(BLOCK_M, K splits of the gate/up GEMM) from shapes only, so a captured graph stays valid."""
+    n = T * k
+    per = n / min(E, n)                                       # rows per touched expert (uniform routing)
+    bm = next((c for c in BM_CHOICES if per <= c), BM_CHOICES[-1])
+    progs = min(E, n) * math.ceil(per / bm) * (I // 64)
+    kt = D // 128
+    split = max(1, min(kt // 2, math.ceil(2 * n_sm / progs)))  # >= 2 waves, >= 2 k tiles per split
+    return bm, split
+
+
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Split-K tickets, zero at rest (the kernel re-arms them); grown only outside graph capture."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fused_moe: run this batch shape once before CUDA-graph capture")
+        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0,
+              block_m: int | None = None, split_k: int | None = None, use_asm: bool = True):
+    """x [T,D] bf16 (or fp32), topk_weights [T,k] fp32, topk_ids [T,k] int (ids outside [0,E)
+    contribute nothing) -> sum_k w * expert(x) [T,D] fp32. block_m/split_k override moe_config."""
+    T, D = x.shape
+    k, E, I = topk_ids.shape[1], packed.E, packed.I
+    if D != packed.D or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be [T, {packed.D}] bf16/fp32, got {tuple(x.shape)} {x.dtype}")
+    emu = _interpret()
+    bm, split = moe_config(T, k, E, I, D, _n_sm(x.device))
+    bm, split = block_m or bm, split_k or split
+    kt_per = math.ceil((D // 128) / split)
+    split = math.ceil((D // 128) / kt_per)
+    mx, asm, f32 = packed.fmt == "mxfp4", use_asm and not emu, emu or x.dtype == torch.float32
+    n = T * k
+    sorted_ids, bexp = moe_align(topk_ids, E, bm)
+    nblk = bexp.numel()
+    x = x.contiguous()
+    h = torch.empty(nblk * bm, I, dtype=x.dtype, device=x.device)
+    ws = torch.empty(nblk * (I // 64) * split * 128 * bm if split > 1 else 1, dtype=torch.float32, device=x.device)
+    cnt = _counters(x.device, nblk * (I // 64))
+    limit = swiglu_limit if swiglu_limit > 0 else float("inf")
+    tw = topk_weights.reshape(-1).float().contiguous()
+    _gate_up_kernel[(nblk, I // 64, split)](
+        x, packed.w13, packed.s13, packed.alpha, sorted_ids, bexp, tw, h, ws, cnt,
+        n, D, I, x.stride(0), limit, kt_per, TOPK=k, BM=bm, SPLIT=split, MX=mx, ASM=asm, F32=f32,
+        num_warps=4, num_stages=3)
+    y = torch.empty(n, D, dtype=torch.float32, device=x.device)
+    _down_kernel[(nblk, D // 128)](h, packed.w2, packed.s2, packed.alpha, sorted_ids, bexp, y, n, D, I,
+                                   BM=bm, MX=mx, ASM=asm, F32=f32, num_warps=4, num_stages=3)
+    out = torch.empty(T, D, dtype=torch.float32, device=x.device)
+    _sum_kernel[(triton.cdiv(T, 4), triton.cdiv(D, 512))](y, topk_ids.contiguous(), out, T, D, E, TOPK=k,
+                                                          BT=4, BD=512, num_warps=4)
+    return out
+
+
+def fused_moe_ref(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0, weights=None):
+    """Experts.forward (engine/model/moe.py) on the dequantized experts, in x's dtype.
+    weights: dequant_experts(packed), if already at hand."""
+    from engine.model.moe import Experts
+    w1, w3, w2 = weights if weights is not None else dequant_experts(packed)
+    live = (topk_ids >= 0) & (topk_ids < packed.E)
+    mod = SimpleNamespace(w1=w1.to(x.dtype), w3=w3.to(x.dtype), w2=w2.to(x.dtype), limit=swiglu_limit, act_sim=False)
+    return Experts.forward(mod, x, torch.where(live, topk_weights, 0.0), torch.where(live, topk_ids, 0))
