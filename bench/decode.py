@@ -71,7 +71,7 @@ def timed(fn, reps=30, warmup=3) -> float:
 
 
 def build(layers: int, tp: int):
-    cfg = ModelConfig.from_dict({**REAL, "num_hidden_layers": layers, "compress_ratios": RATIOS[:layers] + [0],
+    cfg = ModelConfig.from_dict({**REAL, "num_hidden_layers": layers, "compress_ratios": RATIOS[:layers],
                                  "num_hash_layers": min(3, layers)})
     state.simulate(0, tp)
     with torch.device("meta"):
