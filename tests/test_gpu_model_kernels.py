@@ -1,4 +1,9 @@
-"""The tiny model with the Triton kernels on == with the torch references (GPU: pytest -m gpu)."""
+"""The tiny model with the Triton kernels on == with the torch references (GPU: pytest -m gpu).
+
+bf16 on both sides: logits must agree to bf16 tolerance step by step, and a greedy token may
+differ only where the reference's top two logits are themselves within that tolerance (a
+near-tie that rounding decides); after such a flip the two runs continue on different tokens,
+so the comparison of that request stops there."""
 import pytest
 import torch
 
@@ -10,35 +15,62 @@ from conftest import rel_err  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.kernels import set_kernels  # noqa: E402
 
+TOL = 1e-2
 
-def _greedy(llm, prompts):
+
+def _greedy(llm, prompts, n=24):
+    index = {tuple(p): i for i, p in enumerate(prompts)}
     seen = {}
 
     def hook(seqs, logits):
         for s, row in zip(seqs, logits):
-            seen[(tuple(s.prompt_ids), len(s.output_ids))] = row.float().clone()
+            seen[(index[tuple(s.prompt_ids)], len(s.output_ids))] = row.float().clone()
 
     llm.engine.runner.logits_hook = hook
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     llm.engine.runner.logits_hook = None
     return [o.token_ids for o in outs], seen
 
 
-@pytest.mark.parametrize("preset,numerics", [("tiny", "plain"), ("tiny", "reference"), ("flash", "plain")])
-def test_kernels_match_references(tiny_ckpt, preset, numerics):
-    g = torch.Generator().manual_seed(1)
-    n = 300 if preset == "flash" else 60
-    prompts = [torch.randint(2, 129280, (m,), generator=g).tolist() for m in (n, n // 3, 7)]
-    llm = LLM(tiny_ckpt(preset, 0), device="cuda", dtype=torch.bfloat16, numerics=numerics, enforce_eager=True,
-              max_model_len=1024)
+def _compare(want, want_logits, got, got_logits):
+    worst, flips = 0.0, 0
+    for i, (a, b) in enumerate(zip(want, got)):
+        for step in range(len(a)):
+            ref, out = want_logits[(i, step)], got_logits[(i, step)]
+            worst = max(worst, rel_err(out, ref).item())
+            if a[step] != b[step]:
+                top2 = ref.topk(2).values
+                assert (top2[0] - top2[1]).item() <= TOL * ref.abs().max().item(), \
+                    f"request {i} step {step}: tokens differ with a clear margin"
+                flips += 1
+                break
+    return worst, flips
+
+
+def _both(path, preset_len, numerics, kernels, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, 129280, (m,), generator=g).tolist() for m in (preset_len, preset_len // 3, 7)]
+    llm = LLM(path, device="cuda", dtype=torch.bfloat16, numerics=numerics, enforce_eager=True, max_model_len=1024)
     try:
         set_kernels("none")
-        want, want_logits = _greedy(llm, prompts)
-        set_kernels("all")
-        got, got_logits = _greedy(llm, prompts)
+        want = _greedy(llm, prompts)
+        set_kernels(kernels)
+        got = _greedy(llm, prompts)
     finally:
         set_kernels("all")
-    errs = [rel_err(got_logits[k], want_logits[k]).item() for k in want_logits]
-    print(f"{preset} {numerics}: kernels vs torch, max rel err {max(errs):.2e}, tokens equal {got == want}")
-    assert max(errs) <= 1e-2
-    assert got == want
+    return _compare(*want, *got)
+
+
+@pytest.mark.parametrize("preset,numerics", [("tiny", "plain"), ("tiny", "reference"), ("flash", "plain")])
+def test_kernels_match_references(tiny_ckpt, preset, numerics):
+    worst, flips = _both(tiny_ckpt(preset, 0), 300 if preset == "flash" else 60, numerics, "all")
+    print(f"{preset} {numerics}: kernels vs torch, max rel err {worst:.2e}, near-tie flips {flips}/3")
+    assert worst <= TOL
+
+
+@pytest.mark.parametrize("kernel", ["sparse_attn", "indexer", "fp8_gemm", "bf16_gemm", "fused_moe"])
+def test_each_kernel_alone(tiny_ckpt, kernel):
+    """One kernel on at a time (the rest torch): localises a mismatch to its kernel."""
+    worst, flips = _both(tiny_ckpt("tiny", 0), 60, "plain", [kernel, "sparse_attn"] if kernel == "indexer" else [kernel])
+    print(f"{kernel}: max rel err {worst:.2e}, near-tie flips {flips}/3")
+    assert worst <= TOL

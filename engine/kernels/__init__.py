@@ -5,7 +5,7 @@ back to the torch reference: ENGINE_KERNELS=none (all off), or a comma list of t
 kernels to keep on (e.g. ENGINE_KERNELS=sparse_attn,indexer), or set_kernels(...)."""
 import os
 
-KERNELS = ("sparse_attn", "indexer", "fp8_gemm", "fused_moe", "mhc", "rope_kv", "router")
+KERNELS = ("sparse_attn", "indexer", "fp8_gemm", "bf16_gemm", "fused_moe", "mhc", "rope_kv", "router")
 _on: set[str] | None = None
 
 

@@ -9,6 +9,7 @@ from .block import Block
 from .config import ModelConfig
 from .linear import Embedding, Linear
 from .mhc import hc_head
+from ..kernels import use_kernel
 from .moe import Experts
 from .mtp import MTPBlock
 from .norm import RMSNorm
@@ -92,11 +93,13 @@ class Transformer(nn.Module):
         return self.head_logits(y)
 
     def head_logits(self, y: torch.Tensor) -> torch.Tensor:
-        # vocab-parallel head: each rank's slice of the logits, gathered in rank order. DeepSeek
-        # computes it in fp32; in bf16 models the GEMM stays bf16 (fp32 accumulate) rather than
-        # casting the whole [vocab, dim] weight every step.
-        if y.dtype == torch.bfloat16:
-            return all_gather_last(torch.nn.functional.linear(y, self.head.weight).float())
+        # vocab-parallel head: each rank's slice of the logits, gathered in rank order. fp32 logits
+        # as DeepSeek computes them; in bf16 models a bf16 GEMM with fp32 output rather than
+        # casting the whole [vocab, dim] weight every step (bf16 logits would tie the argmax).
+        if y.is_cuda and y.dtype == torch.bfloat16 and use_kernel("bf16_gemm"):
+            from ..kernels.bf16_gemm import bf16_gemm
+
+            return all_gather_last(bf16_gemm(y.reshape(-1, y.shape[-1]), self.head.weight).view(*y.shape[:-1], -1))
         return all_gather_last(torch.nn.functional.linear(up(y), up(self.head.weight)))
 
     @torch.inference_mode()
