@@ -57,6 +57,12 @@ def _both(path, preset_len, numerics, kernels, seed=1):
             set_kernels(which)
             llm = LLM(path, device="cuda", dtype=torch.bfloat16, numerics=numerics, enforce_eager=True,
                       max_model_len=1024)
+            # the indexer's top-k is a discrete choice that bf16 rounding flips wherever scores are
+            # close (then the logits move far): select every entry so the comparison is continuous.
+            # The top-k itself is checked by the indexer kernel's own test.
+            for layer in llm.model.layers:
+                if layer.attn.indexer is not None:
+                    layer.attn.indexer.topk = 1 << 20
             runs.append(_greedy(llm, prompts))
             del llm
             torch.cuda.empty_cache()

@@ -1,0 +1,74 @@
+"""mHC post: expand a sub-layer output back to the streams and mix in the residual, one kernel.
+
+out[k] = post[k] * f + sum_j comb[j, k] * res[j], fp32 math, stored in res's dtype. Replaces
+engine.model.mhc.hc_post (a broadcast multiply, a batched matmul, an add and a cast).
+Each program owns one token's D-chunk of all streams, so out may alias res (in place).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from engine.model.mhc import hc_post
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """fp32 x -> the nearest (ties to even) value of `dtype`, still as fp32.
+
+    Stores cast fp32 -> bf16 by truncation under TRITON_INTERPRET (RNE on the GPU); rounding
+    here first makes the cast exact on both, so the interpreter tests see the GPU's numbers
+    (bf16 subnormals excepted: the interpreter flushes them)."""
+    if dtype == tl.bfloat16:
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        x = b.to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def _mhc_post_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D,
+                     stride_ft, stride_rt, stride_rj, stride_ot, stride_oj,
+                     HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    k = tl.arange(0, HC)
+    f = tl.load(f_ptr + t * stride_ft + d, mask=dm, other=0.0).to(tl.float32)               # [BD]
+    post = tl.load(post_ptr + t * HC + k)                                                  # [HC]
+    acc = post[:, None] * f[None, :]                                                       # [HC(k), BD]
+    for j in tl.static_range(HC):
+        # comb row j: the weights input stream j gives to each output stream k
+        cj = tl.load(comb_ptr + t * HC * HC + j * HC + k)                                  # [HC(k)]
+        rj = tl.load(res_ptr + t * stride_rt + j * stride_rj + d, mask=dm, other=0.0).to(tl.float32)
+        acc += cj[:, None] * rj[None, :]
+    o = out_ptr + t * stride_ot + k[:, None] * stride_oj + d[None, :]
+    tl.store(o, round_to(acc, out_ptr.dtype.element_ty), mask=dm[None, :])
+
+
+def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+             out: torch.Tensor | None = None, block_d: int = 512) -> torch.Tensor:
+    """f [...,D], res [...,hc,D], post [...,hc] fp32, comb [...,hc,hc] fp32 -> [...,hc,D] (res dtype).
+
+    `out` (same shape and dtype as res, may be res itself) is written in place when given."""
+    hc, D = res.shape[-2:]
+    assert hc & (hc - 1) == 0, "hc must be a power of two (register tiles)"
+    lead = res.shape[:-2]
+    f2 = f.reshape(-1, D)
+    r3 = res.reshape(-1, hc, D)
+    assert f2.stride(-1) == 1 and r3.stride(-1) == 1
+    T = r3.shape[0]
+    p2 = post.reshape(T, hc).float().contiguous()
+    c3 = comb.reshape(T, hc, hc).float().contiguous()
+    o = torch.empty_like(r3) if out is None else out.view(T, hc, D)
+    if T:
+        block = min(block_d, triton.next_power_of_2(D))
+        grid = (T, triton.cdiv(D, block))
+        _mhc_post_kernel[grid](f2, r3, p2, c3, o, D, f2.stride(0), r3.stride(0), r3.stride(1),
+                               o.stride(0), o.stride(1), HC=hc, BLOCK_D=block, num_warps=4)
+    return o.view(*lead, hc, D) if out is None else out
+
+
+def mhc_post_ref(f, res, post, comb, out=None, block_d=None):
+    """Torch reference (the engine's own hc_post)."""
+    y = hc_post(f, res, post, comb)
+    return y if out is None else out.copy_(y)

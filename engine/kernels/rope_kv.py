@@ -1,0 +1,156 @@
+"""Attention's post-GEMM glue for q and kv, one kernel: RMSNorm, RoPE, FP8 simulation, ring write.
+
+Replaces the tail of engine.model.attention.Attention.qkv (and window_keys' ring write):
+  q  [T,H,Dh]: per-head unweighted RMSNorm, then RoPE on the last R dims;
+  kv [T,Dh]:   RMSNorm with kv_norm's weight, RoPE, optionally the e4m3 round trip of the
+               non-rope dims (per-64 power-of-two scales, engine.model.quant_sim.fp8_sim),
+               then ring[slot, pos % W] = kv.
+RoPE pairs (2i, 2i+1) are interleaved (GPT-J). Every intermediate is rounded to the tensor's
+dtype where the torch code rounds it, so bf16 results match bit for bit up to fp32 ulps.
+Grid (T, head blocks + 1): the last program of each token does its kv.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from engine.model.norm import rms_norm
+from engine.model.quant_sim import fp8_sim
+from engine.model.rope import apply_rope, cos_sin
+from .mhc_post import round_to
+
+
+@triton.jit
+def _e4m3(y):
+    """Round fp32 |y| <= 448 to e4m3 (nearest, ties even), exactly, from the float's bits."""
+    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6)                                    # e4m3 subnormals: step 2^-9
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)
+    v = y * inv                                              # |v| < 16: exact (power of two)
+    return ((v + 12582912.0) - 12582912.0) * step            # 1.5 * 2^23: rint, ties to even
+
+
+@triton.jit
+def _fp8_sim(y, N: tl.constexpr, FB: tl.constexpr):
+    """y [N] fp32 -> e4m3 round trip per FB channels, scale 2^ceil(log2(amax / 448))."""
+    b = tl.reshape(y, (N // FB, FB))
+    amax = tl.maximum(tl.max(tl.abs(b), axis=1), 1e-4)                                   # [N/FB]
+    # smallest 2^k with amax <= 448 * 2^k = 1.75 * 2^(k+8): from amax's exponent and mantissa
+    bits = amax.to(tl.int32, bitcast=True)
+    k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    s = ((k + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
+    q = tl.minimum(tl.maximum(b * inv[:, None], -448.0), 448.0)
+    return tl.reshape(_e4m3(q) * s[:, None], (N,))
+
+
+@triton.jit
+def _rope(y, cos, sin, M: tl.constexpr, DH: tl.constexpr, R: tl.constexpr):
+    """y [M,DH] fp32; cos/sin [DH/2] (pair i of the rope slice at i + (DH-R)/2) -> rotated y."""
+    a, b = tl.split(tl.reshape(y, (M, DH // 2, 2)))
+    is_rope = tl.arange(0, DH // 2)[None, :] >= (DH - R) // 2
+    a2 = tl.where(is_rope, a * cos[None, :] - b * sin[None, :], a)
+    b2 = tl.where(is_rope, b * cos[None, :] + a * sin[None, :], b)
+    return tl.reshape(tl.join(a2, b2), (M, DH))
+
+
+@triton.jit
+def _rope_qkv_kernel(q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, inv_ptr, qo_ptr, kvo_ptr,
+                     ring_ptr, slot_ptr, H, W, stride_qt, stride_qh, stride_kvt, stride_cs,
+                     stride_rs, stride_rw, eps,
+                     DH: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, TABLE: tl.constexpr,
+                     FP8: tl.constexpr, FB: tl.constexpr, RING: tl.constexpr):
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    p = tl.arange(0, DH // 2) - (DH - R) // 2                # rope pair index (< 0: not rope)
+    pm = p >= 0
+    if TABLE:
+        cos = tl.load(cos_ptr + t * stride_cs + p, mask=pm, other=1.0)
+        sin = tl.load(sin_ptr + t * stride_cs + p, mask=pm, other=0.0)
+    else:
+        ang = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_ptr + p, mask=pm, other=0.0)
+        cos = tl.cos(ang)
+        sin = tl.sin(ang)
+    d = tl.arange(0, DH)
+    if hb * BLOCK_H < H:
+        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = (h < H)[:, None]
+        x = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=hm, other=0.0)
+        x = x.to(tl.float32)                                                            # [BH,DH]
+        y = x * tl.math.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) / DH + eps)
+        y = _rope(round_to(y, qo_ptr.dtype.element_ty), cos, sin, BLOCK_H, DH, R)
+        o = qo_ptr + (t * H + h[:, None]) * DH + d[None, :]
+        tl.store(o, round_to(y, qo_ptr.dtype.element_ty), mask=hm)
+    else:
+        x = tl.load(kv_ptr + t * stride_kvt + d).to(tl.float32)                         # [DH]
+        r = tl.math.rsqrt(tl.sum(x * x, axis=0) / DH + eps)
+        y = round_to(tl.load(w_ptr + d).to(tl.float32) * (x * r), kvo_ptr.dtype.element_ty)
+        y = tl.reshape(_rope(tl.reshape(y, (1, DH)), cos, sin, 1, DH, R), (DH,))
+        y = round_to(y, kvo_ptr.dtype.element_ty)
+        if FP8:
+            y = tl.where(d < DH - R, round_to(_fp8_sim(y, DH, FB), kvo_ptr.dtype.element_ty), y)
+        tl.store(kvo_ptr + t * DH + d, y)
+        if RING:
+            slot = tl.load(slot_ptr + t)
+            row = ring_ptr + slot * stride_rs + (tl.load(pos_ptr + t) % W) * stride_rw
+            tl.store(row + d, round_to(y, ring_ptr.dtype.element_ty), mask=(d < DH) & (slot >= 0))
+
+
+def rope_qkv(q, kv, kv_weight, eps, cos=None, sin=None, *, positions=None, inv_freq=None,
+             ring=None, slots=None, fp8=False, fp8_block=64, block_h=2):
+    """q [...,H,Dh], kv [...,Dh] (the wq_b / wkv GEMM outputs), kv_weight [Dh]
+    -> (q, kv) normed and roped, kv's first Dh-R dims e4m3-rounded if fp8; new tensors.
+
+    RoPE angles: cos/sin [...,R/2] fp32 (engine.model.rope.cos_sin), or positions [...] with
+    inv_freq [R/2] (cos/sin computed in-kernel). ring [slots,W,Dh] with slots [...] (per
+    token; < 0 skips): ring[slot, pos % W] = kv, positions required. Tokens must not share a
+    ring row (decode: one token per slot). The write lands before attention reads the ring:
+    right for decode (the row written is the one the window just dropped), not for a prefill
+    chunk, whose earlier tokens still need the rows it overwrites."""
+    H, DH = q.shape[-2:]
+    lead = q.shape[:-2]
+    q3, kv2 = q.reshape(-1, H, DH), kv.reshape(-1, DH)
+    T = q3.shape[0]
+    table = cos is not None
+    R = 2 * (cos.shape[-1] if table else inv_freq.shape[-1])
+    assert DH & (DH - 1) == 0 and 0 < R <= DH and R % 2 == 0 and kv2.shape[0] == T
+    assert not fp8 or (DH - R) % fp8_block == 0 and DH % fp8_block == 0
+    assert q3.stride(-1) == 1 and kv2.stride(-1) == 1
+    dev = q.device
+    cs = (cos.reshape(T, -1).float().contiguous(), sin.reshape(T, -1).float().contiguous()) if table else None
+    pos = positions.reshape(T).contiguous() if positions is not None else None
+    assert pos is not None or (table and ring is None), "positions needed for in-kernel rope / ring"
+    qo = torch.empty(T, H, DH, dtype=q.dtype, device=dev)
+    kvo = torch.empty(T, DH, dtype=kv.dtype, device=dev)
+    dummy = kvo
+    if T:
+        bh = min(block_h, triton.next_power_of_2(H))
+        grid = (T, triton.cdiv(H, bh) + 1)
+        _rope_qkv_kernel[grid](
+            q3, kv2, kv_weight.contiguous(), cs[0] if table else dummy, cs[1] if table else dummy,
+            pos if pos is not None else dummy, inv_freq.float().contiguous() if not table else dummy,
+            qo, kvo, ring if ring is not None else dummy,
+            slots.reshape(T).contiguous() if ring is not None else dummy,
+            H, ring.shape[1] if ring is not None else 1, q3.stride(0), q3.stride(1), kv2.stride(0),
+            cs[0].stride(0) if table else 0, ring.stride(0) if ring is not None else 0,
+            ring.stride(1) if ring is not None else 0, eps,
+            DH=DH, R=R, BLOCK_H=bh, TABLE=table, FP8=fp8, FB=fp8_block, RING=ring is not None,
+            num_warps=4)
+    return qo.view(*lead, H, DH), kvo.view(*lead, DH)
+
+
+def rope_qkv_ref(q, kv, kv_weight, eps, cos=None, sin=None, *, positions=None, inv_freq=None,
+                 ring=None, slots=None, fp8=False, fp8_block=64, block_h=None):
+    """Torch reference: Attention.qkv's lines after its GEMMs, then the ring write."""
+    if cos is None:
+        cos, sin = cos_sin(positions, inv_freq)
+    q = apply_rope(rms_norm(q, None, eps), cos[..., None, :], sin[..., None, :])
+    kv = apply_rope(rms_norm(kv, kv_weight, eps), cos, sin)
+    if fp8:
+        nope = kv.shape[-1] - 2 * cos.shape[-1]
+        kv = torch.cat((fp8_sim(kv[..., :nope], fp8_block), kv[..., nope:]), dim=-1)
+    if ring is not None:
+        s, p, k = slots.reshape(-1), positions.reshape(-1), kv.reshape(-1, kv.shape[-1])
+        m = s >= 0
+        ring[s[m], p[m] % ring.shape[1]] = k[m].to(ring.dtype)
+    return q, kv
