@@ -2,7 +2,7 @@
 GPU test failed at these shapes while the real-shape kernel tests passed. Prints a table."""
 import torch
 
-from engine.kernels import fp8_gemm as fg, fused_moe as fm, indexer as ki, sparse_attn as sa
+from engine.kernels import fp8_gemm as fg, indexer as ki, sparse_attn as sa
 from engine.model.formats import fp8_block_quant, mxfp4_quant
 
 
@@ -45,6 +45,11 @@ def main():
             y = fg.fp8_gemm(x, wq, ws, act_quant=aq)
             yr = fg.fp8_gemm_ref(x, wq, ws, act_quant=aq)
             print(f"fp8_gemm M={M} N={N} K={K} act_quant={aq}: rel {rel(y, yr):.2e}")
+    try:
+        from engine.kernels import fused_moe as fm
+    except SyntaxError as e:
+        print("fused_moe: cannot import", e)
+        return
     E, I, D, T, k = 8, 128, 256, 5, 2
     ws = [torch.randn(E, I, D, device=dev) / D ** 0.5, torch.randn(E, I, D, device=dev) / D ** 0.5,
           torch.randn(E, D, I, device=dev) / I ** 0.5]

@@ -1,41 +1,33 @@
 """Fused routed-expert MoE, W4A16: e2m1 weights stay packed and are decoded inside the GEMMs.
 
-fused_moe(x [T,D], topk_weights [T,k] fp32, topk_ids [T,k], packed, swiglu_limit) -> [T,D] fp32
-computes what engine/model/moe.py Experts.forward computes, in four launches, no host sync:
-  1. _align_kernel   (pairs = T*k (token, slot) entries) sorts the pairs by expert and pads each
-                     expert's group to BLOCK_M rows: sorted pair ids + one expert id per block
-                     (-1 = unused block). Sized from the bound T*k + min(E,T*k)*(BM-1), so the
-                     grids below are fixed per (T, k, E) and the op is CUDA-graph safe.
-  2. _gate_up_kernel per (block, 64 intermediate cols, K split): the gate and up rows of one
-                     [128, 128] tile are decoded to bf16 and hit wgmma as the register A operand
-                     against the gathered activations (swap-AB: weights are M, tokens are N, so a
-                     lone decode token still fills the instruction's big side); the epilogue does
-                     the clamped SwiGLU, the routing weight, the bf16 rounding (as the reference).
-                     Small batches split K; the last-arriving split (an atomic ticket) sums the
-                     partial tiles in a fixed order, so results are deterministic.
-  3. _down_kernel    per (block, 128 hidden rows): w2 against the intermediate, one fp32 row per
-                     (token, slot) pair.
-  4. _sum_kernel     sums a token's k slot rows in slot order (deterministic, no atomics) and
-                     skips ids outside [0, E) (experts that live on another EP rank).
+fused_moe(x [T,D], topk_weights [T,k], topk_ids [T,k], packed, swiglu_limit) -> [T,D] fp32 computes
+what engine/model/moe.py Experts.forward does, in four launches with no host sync (CUDA-graph safe):
+ 1. _align_kernel: one program sorts the T*k (token, slot) pairs by expert and pads each expert's
+    group to BLOCK_M rows -> sorted pair ids and one expert id per block (-1: unused). Everything is
+    sized from the bound T*k + min(E, T*k)*(BM-1), so every grid is fixed per (T, k, E).
+ 2. _gate_up_kernel, per (block, 64 intermediate columns, K split): one [128, 128] tile (64 gate +
+    64 up rows) is decoded to bf16 straight into wgmma's register A operand, against the gathered
+    activations (swap-AB: weights are M, tokens N, so a lone decode token still fills the wide side).
+    Epilogue: clamped SwiGLU, routing weight, bf16 rounding (where the reference rounds). Small
+    batches split K; the last split to take an atomic ticket adds the partials in split order.
+ 3. _down_kernel, per (block, 128 hidden rows): w2 against the intermediate, an fp32 row per pair.
+ 4. _sum_kernel: a token's k slot rows summed in slot order; ids outside [0, E) (experts on another
+    EP rank) are skipped. No atomics anywhere: results are deterministic.
 
-Packed layout (pack_experts; kernel-friendly, not the checkpoint's): weights are cut into
-[128 rows, 128 k] tiles, each 2048 int32 words, stored contiguously in K-loop order:
-w13 [E, I/64, D/128, 2048] (tile rows 0-63 = w1 rows j*64.., rows 64-127 = the same w3 rows),
-w2 [E, D/128, I/128, 2048]. Word ((half*2 + g)*128 + t)*4 + wr, t = 32*warp + 4*lrow + lk, holds
-the 8 nibbles that thread t needs for rows n = 64*half + 16*warp + 8*r1 + lrow and
-k = 64*g + 16*wr + 8*r2 + 2*lk + h (r1, r2, h in {0,1}): exactly its wgmma A-fragment registers,
-so one thread's 4 words are one 16-byte load and no shuffle ever runs. Inside a word the nibble
-bits are placed (_SIGN_POS/_MAG_POS) so 11 logic ops turn 8 nibbles into four bf16x2 registers
-holding e2m1 * 2^-126 (sign -> bit 15, e1 e0 m -> bits 8..6).
-Block scales are one byte each, [128 rows, 128/SB] per tile in thread order [warp, lrow, half,
-blk, r1]: NVFP4 e4m3 is recoded to "e5m3" (byte<<4 + 0x7580 is bf16 scale * 2^118, exact,
-subnormal e4m3 included; a zero scale zeroes its nibbles); MXFP4 e8m0 is shifted per expert so
-byte<<7 is bf16 2^(e8m0-127) * 2^(254-max). The leftover factors (NVFP4: weight_scale_2 * 2^8,
-MXFP4: 2^(max-128)) are alpha [E, 3] (gate, up, down), applied to the fp32 accumulators.
-e2m1 * scale is exact in bf16, so the only rounding before fp32 accumulation is the activation's.
-
-Under TRITON_INTERPRET=1 (CPU tests) the same kernels run with the decode in plain Triton ops
-and the math in fp32 (the interpreter has no inline asm and no bf16 arithmetic).
+Packed layout (pack_experts): [128 rows, 128 k] tiles of 2048 int32 words, contiguous in K-loop order:
+w13 [E, I/64, D/128, 2048] (tile rows 0-63: w1 rows 64j.., rows 64-127: the same w3 rows) and
+w2 [E, D/128, I/128, 2048]. Word ((half*2 + g)*128 + t)*4 + wr (t = 32 warp + 4 lrow + lk) holds the
+8 nibbles of rows 64 half + 16 warp + 8 r1 + lrow, k = 64 g + 16 wr + 8 r2 + 2 lk + h (r1, r2, h in
+{0,1}): thread t's wgmma A-fragment registers, so its 4 words are one 16-byte load and nothing is
+shuffled. The nibble bits sit (_SIGN_POS/_MAG_POS) where 11 logic ops make four bf16x2 registers of
+e2m1 * 2^-126 (sign -> bit 15, e1 e0 m -> bits 8..6). Scales: one byte per block, [128, 128/SB] per
+tile in thread order [warp, lrow, half, blk, r1]. NVFP4 e4m3 is recoded "e5m3": (b << 4) + 0x7580
+is the bf16 of scale * 2^118 (exact, subnormals too; a zero scale zeroes its nibbles). MXFP4 e8m0
+is shifted per expert so b << 7 is the bf16 of 2^(e8m0 - 127 + 254 - max). The leftovers
+(weight_scale_2 * 2^8, or 2^(max-128)) are alpha [E, 3] (gate, up, down) on the fp32 accumulators.
+e2m1 * scale is exact in bf16: only the activations round before the fp32 accumulation. (MXFP4
+stays exact while an expert's block scales span < 2^126.)
+Under TRITON_INTERPRET=1 (CPU tests) the decode runs in plain Triton ops and the math in fp32.
 """
 import functools
 import math
@@ -56,10 +48,6 @@ _MAG: tl.constexpr = tl.constexpr(0x01C001C0)
 # Per word nibble slot j = 2*q + h (q = r1 + 2*r2): bit of its sign and lowest bit of its e1e0m.
 _SIGN_POS = (15, 31, 14, 30, 13, 29, 9, 25)
 _MAG_POS = (6, 22, 3, 19, 26, 10, 0, 16)
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ----------------------------------------------------------------------------- packing (load time)
@@ -83,27 +71,32 @@ def _tiles(m: torch.Tensor, cols: int) -> torch.Tensor:
     return m.reshape(E, R // 128, 128, C // cols, cols).permute(0, 1, 3, 2, 4).reshape(E, R // 128, C // cols, -1)
 
 
+def _untiles(t: torch.Tensor, cols: int) -> torch.Tensor:
+    E, RT, CT = t.shape[:3]
+    return t.reshape(E, RT, CT, 128, cols).permute(0, 1, 3, 2, 4).reshape(E, RT * 128, CT * cols)
+
+
+def _bits(device):
+    src, _ = _tile_tables(1)
+    return (src.to(device), torch.tensor(_SIGN_POS, device=device), torch.tensor(_MAG_POS, device=device))
+
+
 def _pack_words(codes: torch.Tensor) -> torch.Tensor:
     """e2m1 codes [E, R, C] -> int32 words [E, R/128, C/128, 2048]."""
-    src, _ = _tile_tables(1)
-    c = _tiles(codes, 128)[..., src.to(codes.device)].to(torch.int64)        # [.., 2048, 8]
-    sign = torch.tensor(_SIGN_POS, device=codes.device)
-    mag = torch.tensor(_MAG_POS, device=codes.device)
+    src, sign, mag = _bits(codes.device)
+    c = _tiles(codes, 128)[..., src].to(torch.int64)                          # [.., 2048, 8]
     w = (((c & 7) << mag) | ((c >> 3) << sign)).sum(-1)                        # disjoint bits
     return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
 
 
-def _unpack_words(words: torch.Tensor, R: int, C: int) -> torch.Tensor:
+def _unpack_words(words: torch.Tensor) -> torch.Tensor:
     """Inverse of _pack_words -> codes uint8 [E, R, C]."""
-    src, _ = _tile_tables(1)
+    src, sign, mag = _bits(words.device)
     w = words.to(torch.int64)[..., None] & 0xFFFFFFFF
-    sign = torch.tensor(_SIGN_POS, device=words.device)
-    mag = torch.tensor(_MAG_POS, device=words.device)
     c = ((w >> mag) & 7) | (((w >> sign) & 1) << 3)                           # [E, RT, CT, 2048, 8]
     tiles = torch.empty(*words.shape[:3], 128 * 128, dtype=torch.uint8, device=words.device)
-    tiles[..., src.to(words.device).reshape(-1)] = c.reshape(*words.shape[:3], -1).to(torch.uint8)
-    E, RT, CT = words.shape[:3]
-    return tiles.reshape(E, RT, CT, 128, 128).permute(0, 1, 3, 2, 4).reshape(E, R, C)
+    tiles[..., src.reshape(-1)] = c.reshape(*words.shape[:3], -1).to(torch.uint8)
+    return _untiles(tiles, 128)
 
 
 def _codes(packed: torch.Tensor) -> torch.Tensor:
@@ -129,17 +122,14 @@ def _recode_scales(proj, fmt: str):
         raise ValueError("MXFP4 e8m0 scale contains 0xFF (NaN)")
     bmax = b.flatten(1).amax(1)                                                # [E]
     byte = (b + (254 - bmax)[:, None, None]).clamp(0, 254)
-    return _codes(w), byte.to(torch.uint8), torch.ldexp(torch.ones_like(bmax, dtype=torch.float32),
-                                                        (bmax - 128).to(torch.int32))
+    return _codes(w), byte.to(torch.uint8), torch.exp2((bmax - 128).double()).float()
 
 
 @dataclass
 class PackedExperts:
     """Kernel layout of E experts (see the module docstring). D hidden, I intermediate (per rank)."""
-    fmt: str
-    E: int
-    D: int
-    I: int
+    fmt: str                # "mxfp4" | "nvfp4"
+    E: int; D: int; I: int  # noqa: E702
     w13: torch.Tensor      # int32 [E, I/64, D/128, 2048]
     s13: torch.Tensor      # uint8 [E, I/64, D/128, 128*128/SB]
     w2: torch.Tensor       # int32 [E, D/128, I/128, 2048]
@@ -151,13 +141,23 @@ class PackedExperts:
         return 16 if self.fmt == "nvfp4" else 32
 
 
-def pack_experts(w1, w3, w2, fmt: str) -> PackedExperts:
+_FIELDS = ("w13", "s13", "w2", "s2", "alpha")
+
+
+def pack_experts(w1, w3, w2, fmt: str, chunk: int = 16) -> PackedExperts:
     """Checkpoint experts -> PackedExperts. Each projection is a tuple of stacked [E, ...] tensors:
     mxfp4: (weight uint8/int8 [E,out,in/2], scale e8m0 [E,out,in/32]);
-    nvfp4: (weight [E,out,in/2], weight_scale e4m3 [E,out,in/16], weight_scale_2 fp32 [E] or [E,1]).
-    Low nibble = even input column. w1, w3: [E, I, D/2]; w2: [E, D, I/2]."""
+    nvfp4: (weight [E,out,in/2], weight_scale e4m3 [E,out,in/16], weight_scale_2 fp32 [E]).
+    Low nibble = even input column. w1, w3: [E, I, D/2]; w2: [E, D, I/2]. Works on any device,
+    `chunk` experts at a time (the int64 staging is 16x the packed size)."""
     if fmt not in ("mxfp4", "nvfp4"):
         raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
+    E = w1[0].shape[0]
+    if E > chunk:
+        parts = [pack_experts(*[tuple(t[i:i + chunk] for t in p) for p in (w1, w3, w2)], fmt, chunk)
+                 for i in range(0, E, chunk)]
+        cat = (torch.cat([getattr(q, f) for q in parts]) for f in _FIELDS)
+        return PackedExperts(fmt, E, parts[0].D, parts[0].I, *cat)
     (c1, b1, a1), (c3, b3, a3), (c2, b2, a2) = (_recode_scales(p, fmt) for p in (w1, w3, w2))
     E, I, D = c1.shape
     if D % 128 or I % 128 or c2.shape != (E, D, I) or c3.shape != c1.shape:
@@ -184,26 +184,26 @@ def _scale_values(b: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.exp2(torch.floor(b / 8) + 108) * (1 + (b % 8) / 8)
 
 
-def dequant_experts(p: PackedExperts):
+def dequant_experts(p: PackedExperts, chunk: int = 16):
     """PackedExperts -> (w1 [E,I,D], w3 [E,I,D], w2 [E,D,I]) fp32, by the kernel's arithmetic."""
+    if p.E > chunk:
+        cut = lambda i: PackedExperts(p.fmt, min(chunk, p.E - i), p.D, p.I,  # noqa: E731
+                                      *(getattr(p, f)[i:i + chunk] for f in _FIELDS))
+        return tuple(torch.cat(t) for t in zip(*(dequant_experts(cut(i), chunk) for i in range(0, p.E, chunk))))
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=p.w13.device) * 2.0**-126
     nb = 128 // p.block
     _, ssrc = _tile_tables(nb)
 
-    def one(words, sc, R, C, alpha):
-        vals = lut[_unpack_words(words, R, C).long()]
+    def one(words, sc, alpha):
         s = torch.empty_like(sc)
         s[..., ssrc.to(sc.device)] = sc
-        E, RT, CT = sc.shape[:3]
-        s = s.reshape(E, RT, CT, 128, nb).permute(0, 1, 3, 2, 4).reshape(E, R, C // p.block)
-        s = _scale_values(s, p.fmt).repeat_interleave(p.block, -1)
-        return vals * s * alpha.to(torch.float64).reshape(E, *([1] * (vals.dim() - 1)))
+        s = _scale_values(_untiles(s, nb), p.fmt).repeat_interleave(p.block, -1)
+        return lut[_unpack_words(words).long()] * s * alpha.double()[:, None, None]
 
     E, I, D = p.E, p.I, p.D
-    g13 = one(p.w13, p.s13, 2 * I, D, torch.ones(E, device=p.w13.device)).reshape(E, I // 64, 2, 64, D)
-    w1 = (g13[:, :, 0].reshape(E, I, D) * p.alpha[:, 0, None, None].double()).float()
-    w3 = (g13[:, :, 1].reshape(E, I, D) * p.alpha[:, 1, None, None].double()).float()
-    return w1, w3, one(p.w2, p.s2, D, I, p.alpha[:, 2]).float()
+    g13 = one(p.w13, p.s13, torch.ones(E, device=p.w13.device)).reshape(E, I // 64, 2, 64, D)
+    w1, w3 = (g13[:, :, i].reshape(E, I, D) * p.alpha[:, i, None, None].double() for i in (0, 1))
+    return w1.float(), w3.float(), one(p.w2, p.s2, p.alpha[:, 2]).float()
 
 
 # ----------------------------------------------------------------------------- routing
@@ -249,7 +249,7 @@ def moe_align_ref(topk_ids: torch.Tensor, E: int, bm: int):
     e = torch.where((flat >= 0) & (flat < E), flat, E)
     order = torch.sort(e * N + torch.arange(N, device=dev)).indices
     se = e[order]
-    cnt = torch.bincount(e, minlength=E + 1)
+    cnt = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, e, torch.ones_like(e))  # bincount syncs
     padded = torch.where(torch.arange(E + 1, device=dev) < E, (cnt + bm - 1) // bm * bm, 0)
     rank = torch.arange(N, device=dev) - (torch.cumsum(cnt, 0) - cnt)[se]
     dest = torch.where(se < E, (torch.cumsum(padded, 0) - padded)[se] + rank, P)
@@ -280,16 +280,12 @@ def moe_align(topk_ids: torch.Tensor, E: int, bm: int):
 def _decode_asm(w):
     """int32 words -> 8 bf16 (pairs q0h0, q0h1, .., q3h1) = e2m1 * 2^-126; 11 logic ops per word."""
     return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 t0, t1, t2, t3, a, b;
+        """{ .reg .b32 t0, t1, t2, t3, a, b;
         and.b32 t0, $8, 0x81C081C0;
-        shl.b32 a, $8, 1; shl.b32 b, $8, 3;
-        and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 t1, a, b;
-        shl.b32 a, $8, 2; shf.l.wrap.b32 b, $8, $8, 12;
-        and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 t2, a, b;
-        shl.b32 t3, $8, 6; and.b32 t3, t3, 0x81C081C0;
-        mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; mov.b32 {$4, $5}, t2; mov.b32 {$6, $7}, t3;
-        }""",
+        shl.b32 a, $8, 1; shl.b32 b, $8, 3; and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 t1, a, b;
+        shl.b32 a, $8, 2; shf.l.wrap.b32 b, $8, $8, 12; and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0;
+        or.b32 t2, a, b; shl.b32 t3, $8, 6; and.b32 t3, t3, 0x81C081C0;
+        mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; mov.b32 {$4, $5}, t2; mov.b32 {$6, $7}, t3; }""",
         "=h,=h,=h,=h,=h,=h,=h,=h,r", [w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
 
 
@@ -491,7 +487,7 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     k, E, I = topk_ids.shape[1], packed.E, packed.I
     if D != packed.D or x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"x must be [T, {packed.D}] bf16/fp32, got {tuple(x.shape)} {x.dtype}")
-    emu = _interpret()
+    emu = os.environ.get("TRITON_INTERPRET") == "1"   # CPU tests: plain ops, fp32 math
     bm, split = moe_config(T, k, E, I, D, _n_sm(x.device))
     bm, split = block_m or bm, split_k or split
     kt_per = math.ceil((D // 128) / split)
@@ -520,10 +516,16 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
 
 
 def fused_moe_ref(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0, weights=None):
-    """Experts.forward (engine/model/moe.py) on the dequantized experts, in x's dtype.
-    weights: dequant_experts(packed), if already at hand."""
+    """Experts.forward (engine/model/moe.py) on the dequantized experts, in x's dtype; ids outside
+    [0, E) count as weight 0. weights: dequant_experts(packed), if at hand (cached on CPU)."""
     from engine.model.moe import Experts
-    w1, w3, w2 = weights if weights is not None else dequant_experts(packed)
+    if weights is None:
+        weights = getattr(packed, "_dequant", None) or dequant_experts(packed)
+        if not x.is_cuda:
+            packed._dequant = weights         # the CPU model calls this every step
+    mod = Experts.__new__(Experts)
+    torch.nn.Module.__init__(mod)
+    mod.w1, mod.w3, mod.w2 = (w.to(x.dtype) for w in weights)
+    mod.limit, mod.act_sim, mod.packed = swiglu_limit, False, None
     live = (topk_ids >= 0) & (topk_ids < packed.E)
-    mod = SimpleNamespace(w1=w1.to(x.dtype), w3=w3.to(x.dtype), w2=w2.to(x.dtype), limit=swiglu_limit, act_sim=False)
-    return Experts.forward(mod, x, torch.where(live, topk_weights, 0.0), torch.where(live, topk_ids, 0))
+    return mod(x, torch.where(live, topk_weights, 0.0), torch.where(live, topk_ids, 0))

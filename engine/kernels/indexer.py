@@ -1,0 +1,192 @@
+"""Lightning indexer at decode: score every visible compressed entry, keep the top-k.
+
+scores[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s]) for s < max_entries, -inf for s >= n_visible[t];
+the top-k entries become ids (-1 where none) and the flat store rows the sparse attention reads,
+loc = block_table[t, id // per_block] * per_block + id % per_block.
+
+One op, two launches:
+- _score_kernel, one program per (row, run of key tiles): the [H, d] query tile is loaded once and
+  reused over the run; each [BLOCK_N, d] key tile is gathered through the block table once for all
+  heads and hits the tensor cores as one tl.dot (reading K once per head is the MQA mistake).
+- _topk_kernel, one program per row: radix select of the k-th largest score (32 counting passes
+  over the row held in registers), then a cumsum compaction, so ids come out in ascending order
+  (the attention gathers in memory order) with their store rows beside them.
+Shapes are fixed per bucket (T, max_entries, topk are host ints) and nothing syncs with the host,
+so the op is CUDA-graph safe with the preallocated outputs and score buffer.
+"""
+import functools
+from types import SimpleNamespace
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.model.indexer import Indexer
+from engine.model.kv_cache import entry_loc
+
+BLOCK_N = 64                 # keys per tile: the M of the [BLOCK_N, d] x [d, H] dot
+RUN_TILES = 16               # most key tiles one score program walks
+TOPK_MAX_ROW = 16384         # widest score row the register-resident top-k takes; wider -> torch.topk
+
+
+@triton.jit
+def _score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, nv_ptr, s_ptr,
+                  H, D, N, per_block, max_blocks, tiles_per_prog,
+                  stride_qt, stride_qh, stride_wt, stride_kr, stride_bt, stride_st,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    t = tl.program_id(0)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    hd_mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
+    q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                mask=hd_mask, other=0.0)                                            # [BH, BD]
+    w = tl.load(w_ptr + t * stride_wt + offs_h, mask=offs_h < H, other=0.0)          # [BH] fp32
+    nv = tl.minimum(tl.load(nv_ptr + t), N)
+    first = tl.program_id(1) * tiles_per_prog
+    last = tl.minimum(first + tiles_per_prog, tl.cdiv(N, BLOCK_N))
+    # Tiles past the row's visible entries need no keys and no math: split the run in two loops
+    # rather than branch inside one, so the live loop stays a clean pipelining candidate.
+    live = tl.maximum(tl.minimum(last, tl.cdiv(nv, BLOCK_N)), first)
+    for i in range(first, live):
+        s = i * BLOCK_N + offs_n
+        vis = s < nv
+        blk = tl.minimum(s // per_block, max_blocks - 1)
+        phys = tl.load(bt_ptr + t * stride_bt + blk, mask=vis, other=0).to(tl.int64)
+        rows = phys * per_block + s % per_block                                      # [BN] store rows
+        k = tl.load(k_ptr + rows[:, None] * stride_kr + offs_d[None, :],
+                    mask=vis[:, None] & (offs_d[None, :] < D), other=0.0)           # [BN, BD]
+        # Keys on the M side, heads on N: the head reduction then stays inside each warp.
+        logits = tl.dot(k, tl.trans(q))                                              # [BN, BH] fp32
+        score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], axis=1)                 # [BN]
+        tl.store(s_ptr + t * stride_st + s, tl.where(vis, score, float("-inf")), mask=s < N)
+    for i in range(live, last):
+        s = i * BLOCK_N + offs_n
+        tl.store(s_ptr + t * stride_st + s, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=s < N)
+
+
+@triton.jit
+def _order_key(x):
+    """fp32 -> uint32 whose unsigned order is the float order (negatives flipped, sign bit set on the rest)."""
+    bits = (x + 0.0).to(tl.uint32, bitcast=True)                # -0.0 + 0.0 = +0.0: the zeros tie, as they compare
+    return tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+
+
+@triton.jit
+def _topk_kernel(s_ptr, bt_ptr, nv_ptr, ids_ptr, loc_ptr, N, K, per_block, max_blocks,
+                 stride_st, stride_bt, stride_it, stride_lt,
+                 BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_S)
+    nv = tl.minimum(tl.load(nv_ptr + t), N)
+    valid = offs < nv
+    key = _order_key(tl.load(s_ptr + t * stride_st + offs, mask=valid, other=float("-inf")))
+    k = tl.minimum(K, nv)
+    # Build the k-th largest key bit by bit from the top: keep a bit when at least k keys reach it.
+    thr = tl.zeros([], tl.uint32)
+    bit = tl.full([], 0x80000000, tl.uint32)
+    for _ in range(32):
+        cand = thr | bit
+        cnt = tl.sum((valid & (key >= cand)).to(tl.int32), axis=0)
+        thr = tl.where(cnt >= k, cand, thr)
+        bit = bit >> 1
+    above = valid & (key > thr)
+    tie = valid & (key == thr)
+    # Ties at the threshold: the lowest ids fill what is left of k (torch.topk picks any).
+    room = k - tl.sum(above.to(tl.int32), axis=0)
+    take = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= room))
+    slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    blk = tl.minimum(offs // per_block, max_blocks - 1)
+    phys = tl.load(bt_ptr + t * stride_bt + blk, mask=take, other=0).to(tl.int64)
+    tl.store(ids_ptr + t * stride_it + slot, offs, mask=take)
+    tl.store(loc_ptr + t * stride_lt + slot, phys * per_block + offs % per_block, mask=take)
+    rest = tl.arange(0, BLOCK_K)
+    none = (rest >= k) & (rest < K)
+    tl.store(ids_ptr + t * stride_it + rest, tl.full([BLOCK_K], -1, tl.int32), mask=none)
+    tl.store(loc_ptr + t * stride_lt + rest, tl.full([BLOCK_K], -1, tl.int32), mask=none)
+
+
+@functools.lru_cache(maxsize=None)
+def _n_sm(device: torch.device) -> int:
+    # The interpreter runs on CPU tensors: pretend a few SMs so the split path is exercised.
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def indexer_scores(q, w, idx_k_store, block_table, per_block: int, n_visible, max_entries: int,
+                   out=None, n_split: int | None = None) -> torch.Tensor:
+    """q [T,H,d] bf16, w [T,H] fp32, idx_k_store [rows,d] bf16, block_table [T,max_blocks] int,
+    n_visible [T] int -> scores [T, max_entries] fp32 (written into out when given)."""
+    T, H, D = q.shape
+    assert q.dtype in (torch.bfloat16, torch.float16) and idx_k_store.dtype == q.dtype
+    assert q.stride(-1) == 1 and idx_k_store.stride(-1) == 1 and w.stride(-1) == 1 and block_table.stride(-1) == 1
+    out = torch.empty(T, max_entries, dtype=torch.float32, device=q.device) if out is None else out
+    n_tiles = triton.cdiv(max_entries, BLOCK_N)
+    if n_split is None:
+        # At least ~4 programs per SM, and runs of at most RUN_TILES tiles so the last wave is short;
+        # each run loads its q tile once.
+        n_split = min(n_tiles, max(triton.cdiv(4 * _n_sm(q.device), T), triton.cdiv(n_tiles, RUN_TILES)))
+    per_prog = triton.cdiv(n_tiles, n_split)
+    grid = (T, triton.cdiv(n_tiles, per_prog))
+    _score_kernel[grid](q, w, idx_k_store, block_table, n_visible, out,
+                        H, D, max_entries, per_block, block_table.shape[1], per_prog,
+                        q.stride(0), q.stride(1), w.stride(0), idx_k_store.stride(0),
+                        block_table.stride(0), out.stride(0),
+                        BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_D=max(16, triton.next_power_of_2(D)),
+                        BLOCK_N=BLOCK_N, num_warps=4, num_stages=3)
+    return out
+
+
+def _topk_torch(scores, block_table, per_block, n_visible, topk, ids, loc):
+    """Fallback for rows too wide for the register top-k: torch.topk, then the same mapping."""
+    k = min(topk, scores.shape[1])
+    idx = scores.topk(k, dim=-1, sorted=False).indices                              # [T,k] int64
+    keep = idx < n_visible[:, None]
+    e = torch.where(keep, idx, 0)
+    rows = block_table.gather(1, (e // per_block).clamp(max=block_table.shape[1] - 1)) * per_block + e % per_block
+    ids[:, :k].copy_(torch.where(keep, idx, -1))
+    loc[:, :k].copy_(torch.where(keep, rows, -1))
+    ids[:, k:].fill_(-1)
+    loc[:, k:].fill_(-1)
+
+
+def indexer_topk(q, w, idx_k_store, block_table, per_block: int, n_visible, topk: int, max_entries: int,
+                 out_ids=None, out_loc=None, score_buf=None, n_split: int | None = None):
+    """-> ids [T, topk] int32 (entry ids, -1 where none; order unspecified: ascending from the Triton
+    top-k), loc [T, topk] int32 (flat rows of idx_k_store's pool, -1 where none)."""
+    T = q.shape[0]
+    assert idx_k_store.shape[0] < 2 ** 31, "loc is int32"
+    ids = torch.empty(T, topk, dtype=torch.int32, device=q.device) if out_ids is None else out_ids
+    loc = torch.empty(T, topk, dtype=torch.int32, device=q.device) if out_loc is None else out_loc
+    scores = indexer_scores(q, w, idx_k_store, block_table, per_block, n_visible, max_entries, score_buf, n_split)
+    width = triton.next_power_of_2(max_entries)
+    if width > TOPK_MAX_ROW:
+        _topk_torch(scores, block_table, per_block, n_visible, topk, ids, loc)
+        return ids, loc
+    _topk_kernel[(T,)](scores, block_table, n_visible, ids, loc, max_entries, topk, per_block, block_table.shape[1],
+                       scores.stride(0), block_table.stride(0), ids.stride(0), loc.stride(0),
+                       BLOCK_S=width, BLOCK_K=triton.next_power_of_2(topk),
+                       num_warps=max(1, min(16, width // 512)))
+    return ids, loc
+
+
+# ---------------------------------------------------------------------------------------------------
+# Torch reference: the model's own indexer math (Indexer.scores / Indexer.select, entry_loc).
+
+def indexer_scores_ref(q, w, idx_k_store, block_table, per_block: int, n_visible, max_entries: int):
+    """-> scores [T, max_entries] fp32, -inf where s >= n_visible[t]."""
+    T = q.shape[0]
+    ent = torch.arange(max_entries, device=q.device).expand(T, max_entries)
+    keys = idx_k_store[entry_loc(block_table.long(), per_block, ent, 1)]            # [T,N,d]
+    s = Indexer.scores(q[:, None], w[:, None], keys)[:, 0]                           # [T,N]
+    return s.masked_fill(ent >= n_visible[:, None], float("-inf"))
+
+
+def indexer_topk_ref(q, w, idx_k_store, block_table, per_block: int, n_visible, topk: int, max_entries: int):
+    """-> ids [T, topk] int64 (score order, -1 where none), loc [T, topk] int64, scores [T, max_entries]."""
+    scores = indexer_scores_ref(q, w, idx_k_store, block_table, per_block, n_visible, max_entries)
+    # select() reads entries s < (position + 1) // ratio as visible: ratio 1, position n_visible - 1.
+    sel = Indexer.select(SimpleNamespace(topk=topk, ratio=1), scores[:, None], (n_visible.long() - 1)[:, None])[:, 0]
+    ids = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
+    ids[:, :sel.shape[1]] = sel
+    loc = entry_loc(block_table.long(), per_block, ids.clamp(min=0), 1)
+    return ids, torch.where(ids >= 0, loc, -1), scores
