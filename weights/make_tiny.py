@@ -1,12 +1,16 @@
 """Write a seeded random DeepSeek-V4-Flash checkpoint in the OFFICIAL on-disk format.
 
-    python -m weights.make_tiny OUT_DIR [--seed N] [--preset tiny|flash] [--max-shard-mb M]
+    python -m weights.make_tiny OUT_DIR [--seed N] [--preset tiny|flash|nvfp4] [--max-shard-mb M]
 
 Same tensor names (spec §5, no ``model.`` prefix), dtypes, ranks and presence rules as the
 real checkpoint, only smaller: FP8 e4m3 + E8M0 128x128 block scales, MXFP4 routed experts
 (I8 packed + E8M0 per 32), BF16 / F32 elsewhere, sharded safetensors with an index, the
 official config.json fields and the real tokenizer (full 129280 vocab, so real text works).
 Quantized tensors go through engine.model.formats, so they dequantize exactly.
+
+The ``nvfp4`` preset is ``tiny`` with its routed experts in NVIDIA's modelopt NVFP4 layout
+(plus hf_quant_config.json), transcoded losslessly from the same seed's MXFP4 experts:
+it dequantizes to exactly the weights of ``tiny``.
 """
 
 import argparse
@@ -77,6 +81,10 @@ PRESETS = {
     },
 }
 
+# Expert-format presets: name -> the dims preset they share their tensors with.
+NVFP4_PRESETS = {"nvfp4": "tiny"}
+ALL_PRESETS = sorted(PRESETS) + sorted(NVFP4_PRESETS)
+
 DEFAULT_MAX_SHARD_BYTES = 64 << 20  # tiny: embed, (layers...), head land in ~3 shards
 
 # Init magnitudes (the "why": keep activations O(1) through all blocks).
@@ -94,8 +102,13 @@ _HEAD_GAIN = 3.0
 
 def build_config(preset="tiny"):
     """Full official-style config.json dict for a preset name."""
+    if preset in NVFP4_PRESETS:
+        from weights.to_nvfp4 import quant_configs
+
+        cfg = build_config(NVFP4_PRESETS[preset])
+        return quant_configs(cfg, range(cfg["num_hidden_layers"]))[0]
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+        raise ValueError(f"unknown preset {preset!r}; choose from {ALL_PRESETS}")
     p = PRESETS[preset]
     cfg = {
         "architectures": ["DeepseekV4ForCausalLM"],
@@ -344,15 +357,26 @@ def write_checkpoint(out_dir, cfg, tensors, max_shard_bytes=DEFAULT_MAX_SHARD_BY
 
 def make_tiny(out_dir, preset="tiny", seed=0, max_shard_bytes=DEFAULT_MAX_SHARD_BYTES):
     """Build the seeded random checkpoint for ``preset`` into ``out_dir``; returns its Path."""
-    cfg = build_config(preset)
-    return write_checkpoint(out_dir, cfg, build_tensors(cfg, seed), max_shard_bytes)
+    if preset not in NVFP4_PRESETS:
+        cfg = build_config(preset)
+        out = write_checkpoint(out_dir, cfg, build_tensors(cfg, seed), max_shard_bytes)
+        (out / "hf_quant_config.json").unlink(missing_ok=True)  # left by an earlier nvfp4 build
+        return out
+    from weights import to_nvfp4
+
+    cfg = build_config(NVFP4_PRESETS[preset])
+    tensors, layers = to_nvfp4.convert_tensors(build_tensors(cfg, seed))
+    cfg, hf_quant = to_nvfp4.quant_configs(cfg, layers)
+    out = write_checkpoint(out_dir, cfg, tensors, max_shard_bytes)
+    _write_json(out / "hf_quant_config.json", hf_quant)
+    return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m weights.make_tiny", description=__doc__.split("\n")[0])
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default="tiny", choices=ALL_PRESETS)
     ap.add_argument("--max-shard-mb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 2**20)
     a = ap.parse_args(argv)
     out = make_tiny(a.out_dir, a.preset, a.seed, int(a.max_shard_mb * 2**20))

@@ -12,6 +12,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# quant_algo values of an NVFP4 (modelopt) checkpoint; W4A16_NVFP4 is the weight-only flavour.
+_NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
 # transformers' attention kinds; any ratio other than 0 and 4 behaves as HCA.
 _HF_KIND_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 
@@ -65,7 +69,7 @@ class ModelConfig:
     max_position_embeddings: int = 1 << 20
     bos_token_id: int = 0
     eos_token_id: int = 1
-    expert_dtype: str = "bf16"               # "fp4" (MXFP4), "fp8", "bf16"
+    expert_dtype: str = "bf16"               # "fp4" (MXFP4), "nvfp4", "fp8", "bf16"
     quantization: dict | None = field(default=None, compare=False)
 
     # ---- derived facts the model asks for ----
@@ -104,7 +108,7 @@ class ModelConfig:
         need(0 <= self.n_hash_layers <= self.n_layers, "num_hash_layers", f"{self.n_hash_layers} out of range")
         need(self.score_func in ("sqrtsoftplus", "softmax", "sigmoid"), "scoring_func", f"unknown {self.score_func!r}")
         need(self.window_size > 0, "sliding_window", "must be positive")
-        need(self.expert_dtype in ("fp4", "fp8", "bf16"), "expert_dtype", f"unknown {self.expert_dtype!r}")
+        need(self.expert_dtype in ("fp4", "nvfp4", "fp8", "bf16"), "expert_dtype", f"unknown {self.expert_dtype!r}")
         if any(self.layer_kind(i) == "csa" for i in range(self.n_layers)):
             d = self.index_head_dim
             need(d >= self.rope_dim and d & (d - 1) == 0, "index_head_dim",
@@ -120,10 +124,11 @@ class ModelConfig:
         if path.is_dir():
             path = path / "config.json"
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            return cls.from_dict(json.load(f), read_hf_quant_config(path.parent))
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: dict, hf_quant: dict | None = None) -> "ModelConfig":
+        """hf_quant: modelopt's hf_quant_config.json beside config.json, if any."""
         def get(*names, default=KeyError):
             for n in names:
                 if n in d and d[n] is not None:
@@ -145,6 +150,8 @@ class ModelConfig:
         rope_theta, compress_theta, yarn = _read_rope(d)
         quant = d.get("quantization_config")
         expert_dtype = d.get("expert_dtype") or (quant or {}).get("expert_dtype") or ("fp4" if quant else "bf16")
+        if nvfp4_declared(quant) or nvfp4_declared(hf_quant):
+            expert_dtype = "nvfp4"  # wins over a top-level `expert_dtype: fp4` left from the MXFP4 source
         eos = get("eos_token_id", default=1)
         cfg = cls(
             vocab_size=int(get("vocab_size")),
@@ -186,6 +193,28 @@ class ModelConfig:
             quantization=quant,
         )
         return cfg.validate()
+
+
+def read_hf_quant_config(ckpt_dir: str | Path) -> dict | None:
+    """modelopt's hf_quant_config.json in a checkpoint directory (None if there is none)."""
+    path = Path(ckpt_dir) / HF_QUANT_CONFIG
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{HF_QUANT_CONFIG}: not valid JSON ({e})") from None
+
+
+def nvfp4_declared(q: dict | None) -> bool:
+    """Whether a quantization block (config.json's or hf_quant_config.json's) declares NVFP4:
+    as the whole model's quant_algo, as moe_quant_algo, or for some quantized_layers entry."""
+    if not isinstance(q, dict):
+        return False
+    q = q.get("quantization", q)  # hf_quant_config.json nests the block
+    algos = [q.get("quant_algo"), q.get("moe_quant_algo")]
+    algos += [v.get("quant_algo") for v in (q.get("quantized_layers") or {}).values() if isinstance(v, dict)]
+    return any(isinstance(a, str) and a.upper() in _NVFP4_ALGOS for a in algos)
 
 
 def _read_ratios(d: dict, n_layers: int, n_mtp: int) -> tuple[tuple[int, ...], int]:
@@ -230,12 +259,15 @@ def _read_hash_layers(d: dict, n_layers: int) -> int:
     return n
 
 
-def _read_yarn(rs: dict | None) -> YarnParams | None:
+def _read_yarn(rs: dict | None, where: str = "rope_scaling") -> YarnParams | None:
     if not rs or rs.get("type", rs.get("rope_type", "default")) in ("default", None):
         return None
     kind = rs.get("type", rs.get("rope_type"))
     if kind != "yarn":
-        raise ConfigError(f"config field `rope_scaling`: unsupported type {kind!r}")
+        raise ConfigError(f"config field `{where}`: unsupported type {kind!r}")
+    for key in ("factor", "original_max_position_embeddings"):
+        if key not in rs:
+            raise ConfigError(f"config field `{where}.{key}` is missing")
     return YarnParams(float(rs["factor"]), int(rs["original_max_position_embeddings"]),
                       float(rs.get("beta_fast", 32)), float(rs.get("beta_slow", 1)))
 
@@ -246,7 +278,7 @@ def _read_rope(d: dict) -> tuple[float, float, YarnParams | None]:
         main, comp = rp["main"], rp["compress"]
         if main.get("rope_type", "default") != "default":
             raise ConfigError("config field `rope_parameters.main`: sliding layers use plain RoPE")
-        return float(main["rope_theta"]), float(comp["rope_theta"]), _read_yarn(comp)
+        return float(main["rope_theta"]), float(comp["rope_theta"]), _read_yarn(comp, "rope_parameters.compress")
     rs = d.get("rope_scaling")
     if rs is None and isinstance(rp, dict) and "factor" in rp:
         rs = rp

@@ -4,6 +4,8 @@
 * FP8: ``float8_e4m3fn`` weights with one E8M0 scale per 128x128 block.
 * MXFP4: e2m1 codes packed two per byte (even column in the low nibble) with one
   E8M0 scale per 32 consecutive input columns of a row.
+* NVFP4 (NVIDIA modelopt): the same packed e2m1 codes (uint8), one float8_e4m3fn scale
+  per 16 input columns, and one fp32 per-tensor ``weight_scale_2``.
 
 Everything dequantizes to fp32. The quantizers choose power-of-two scales exactly the
 way the checkpoint's are chosen, so ``dequant(quant(w))`` is exact whenever ``w`` is
@@ -27,6 +29,11 @@ __all__ = [
     "float_to_fp4_codes",
     "mxfp4_dequant",
     "mxfp4_quant",
+    "NVFP4_BLOCK",
+    "nvfp4_dequant",
+    "nvfp4_quant",
+    "mxfp4_top_exponent",
+    "mxfp4_to_nvfp4",
 ]
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -232,3 +239,140 @@ def mxfp4_quant(w, block=32, name=None):
     scaled = blocks / torch.exp2(exp.float()).unsqueeze(-1)
     codes = float_to_fp4_codes(scaled).view(out_f, in_f)
     return pack_fp4(codes, name), exponent_to_e8m0(exp, name)
+
+
+# ----------------------------------------------------------------------------- NVFP4 (modelopt)
+
+NVFP4_BLOCK = 16
+# E4M3 holds 2^k exactly for k in [-9, 8]: 2^-9 is its smallest subnormal, 256 its largest
+# power of two (448 is not one). This window bounds what one tensor's block scales can span.
+_E4M3_POW2_MIN, _E4M3_POW2_MAX = -9, 8
+
+
+def _nvfp4_global(ws2, name):
+    """weight_scale_2 (fp32, 0-d or one element) -> 0-d fp32, checked."""
+    if ws2.dtype != torch.float32 or ws2.numel() != 1 or ws2.dim() > 1:
+        raise ValueError(f"NVFP4 weight_scale_2{_where(name)} must be one fp32 value, "
+                         f"got {ws2.dtype} of shape {tuple(ws2.shape)}")
+    g = ws2.reshape(())
+    if not bool(torch.isfinite(g) & (g > 0)):
+        raise ValueError(f"NVFP4 weight_scale_2{_where(name)} must be finite and > 0, got {g.item()}")
+    return g
+
+
+def _nvfp4_block_scales(scale, out_f, in_f, name):
+    """E4M3 ``weight_scale [out, in/16]`` -> fp32, checked (a NaN or negative scale is corrupt)."""
+    if scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"NVFP4 weight_scale{_where(name)} must be float8_e4m3fn, got {scale.dtype}")
+    want = (out_f, in_f // NVFP4_BLOCK)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"NVFP4 weight_scale shape mismatch{_where(name)}: weight [out, in/2] with in={in_f} "
+                         f"needs weight_scale {want}, got {tuple(scale.shape)}")
+    s = scale.float()
+    if bool(torch.isnan(s).any()):
+        raise ValueError(f"NVFP4 weight_scale{_where(name)} contains NaN")
+    if bool(torch.signbit(s).any()):
+        raise ValueError(f"NVFP4 weight_scale{_where(name)} contains negative scales")
+    return s
+
+
+def nvfp4_dequant(weight, weight_scale, weight_scale_2, name=None):
+    """Packed ``weight [out, in/2]`` (uint8), E4M3 ``weight_scale [out, in/16]``, fp32
+    ``weight_scale_2`` -> fp32 ``[out, in]``: ``e2m1 * (weight_scale * weight_scale_2)``.
+
+    The block scale is multiplied by the global first, as modelopt's
+    ``NVFP4QTensor.dequantize`` does, so the two roundings (and the result) are identical.
+    """
+    codes = unpack_fp4(weight, name)
+    out_f, in_f = codes.shape
+    if in_f % NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 weight{_where(name)}: in={in_f} is not a multiple of {NVFP4_BLOCK}")
+    s = _nvfp4_block_scales(weight_scale, out_f, in_f, name)
+    g = _nvfp4_global(weight_scale_2, name)
+    vals = fp4_to_float(codes).view(out_f, in_f // NVFP4_BLOCK, NVFP4_BLOCK)
+    return (vals * (s * g).unsqueeze(-1)).view(out_f, in_f)
+
+
+def nvfp4_quant(w, weight_scale_2=None, name=None):
+    """fp32 ``w [out, in]`` -> (uint8 ``[out, in/2]``, float8_e4m3fn ``[out, in/16]``, fp32 0-d global).
+
+    modelopt's NVFP4 weight quantization, op for op (so bit-identical to
+    ``NVFP4QTensor.quantize``): global = amax/(6*448) unless given (w1/w3 share one);
+    block scale = e4m3(clamp(block_amax / (6*global), 2^-9, 448)), 1 for an all-zero block;
+    codes = e2m1 round-half-even of w / (block_scale * global), saturating at 6.
+    """
+    _check_2d(w, "NVFP4 weight", name)
+    _check_finite(w, name)
+    w = w.float()
+    out_f, in_f = w.shape
+    if in_f % NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 weight{_where(name)}: in={in_f} is not a multiple of {NVFP4_BLOCK}")
+    if weight_scale_2 is None:
+        amax = w.abs().amax()
+        # modelopt divides 0/0 into NaN scales for an all-zero tensor; any positive global encodes it.
+        weight_scale_2 = amax / (FP4_MAX * FP8_MAX) if bool(amax > 0) else torch.ones(())
+    g = _nvfp4_global(torch.as_tensor(weight_scale_2, dtype=torch.float32), name)
+    blocks = w.view(out_f, in_f // NVFP4_BLOCK, NVFP4_BLOCK)
+    s = blocks.abs().amax(-1) / (FP4_MAX * g)  # 6*g is rounded first, as modelopt has it
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    s8 = s.clamp(2.0 ** _E4M3_POW2_MIN, FP8_MAX).to(torch.float8_e4m3fn)
+    scaled = (blocks / (s8.float() * g).unsqueeze(-1)).view(out_f, in_f)
+    # + 0.0 turns -0 into +0: modelopt's sign bit is (x < 0), float_to_fp4_codes' is signbit(x).
+    codes = float_to_fp4_codes(scaled + 0.0)
+    return pack_fp4(codes, name).view(torch.uint8), s8, g.clone()
+
+
+def _mxfp4_exponents(weight, scale, name):
+    """Per MXFP4 block: exponent k (its scale is 2^k) and whether any of its codes is non-zero."""
+    codes = unpack_fp4(weight, name)
+    out_f, in_f = codes.shape
+    want = (out_f, in_f // 32)
+    if in_f % 32 or tuple(scale.shape) != want:
+        raise ValueError(f"MXFP4 scale shape mismatch{_where(name)}: packed weight {tuple(weight.shape)} "
+                         f"needs scale {want}, got {tuple(scale.shape)}")
+    b = _e8m0_bytes(scale, name)
+    if bool((b == 0xFF).any()):
+        raise ValueError(f"E8M0 scale{_where(name)} contains 0xFF (NaN)")
+    live = (codes.view(out_f, -1, 32) & 0x7).amax(-1) > 0  # +-0 codes decode to 0 under any scale
+    return b.to(torch.int32) - 127, live
+
+
+def mxfp4_top_exponent(weight, scale, name=None):
+    """Largest block exponent of an MXFP4 tensor over blocks holding a non-zero value (None if all zero)."""
+    k, live = _mxfp4_exponents(weight, scale, name)
+    return int(k[live].max()) if bool(live.any()) else None
+
+
+def mxfp4_to_nvfp4(weight, scale, top_exp=None, name=None):
+    """Lossless MXFP4 -> NVFP4: (uint8 weight, e4m3 weight_scale, fp32 weight_scale_2).
+
+    The nibbles are kept; each E8M0 per-32 scale 2^k becomes two E4M3 per-16 scales
+    2^(k-m) under the global 2^m, m = top_exp - 8, so the largest maps to 256.
+    ``top_exp`` defaults to this tensor's own largest exponent; pass the max over w1 and
+    w3 so they share weight_scale_2. A non-zero block with k - m < -9 has no exact
+    E4M3 scale: that raises (naming the tensor) instead of rounding. The result is
+    proven by dequantizing both and comparing bit for bit.
+    """
+    k, live = _mxfp4_exponents(weight, scale, name)
+    own_top = int(k[live].max()) if bool(live.any()) else None
+    if top_exp is None:
+        top_exp = _E4M3_POW2_MAX if own_top is None else own_top
+    elif own_top is not None and own_top > top_exp:
+        raise ValueError(f"top_exp{_where(name)} is 2^{top_exp}, below the tensor's largest block scale 2^{own_top}")
+    m = top_exp - _E4M3_POW2_MAX
+    d = k - m
+    bad = live & (d < _E4M3_POW2_MIN)
+    if bool(bad.any()):
+        r, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"cannot transcode{_where(name)} MXFP4 -> NVFP4 losslessly: its block scales span "
+            f"2^{int(k[live].min())}..2^{top_exp}, more than the 18 binades (2^-9..2^8) E4M3 block scales "
+            f"cover under one fp32 global (first: row {r}, block {j}, scale 2^{int(k[r, j])})")
+    d = d.clamp(_E4M3_POW2_MIN, _E4M3_POW2_MAX)  # only all-zero blocks are clamped: any scale decodes them
+    ws = torch.exp2(d.float()).repeat_interleave(2, dim=1).to(torch.float8_e4m3fn)
+    g = torch.tensor(2.0 ** m, dtype=torch.float32)
+    packed = weight.view(torch.uint8).clone()
+    src, dst = mxfp4_dequant(weight, scale, name=name), nvfp4_dequant(packed, ws, g, name=name)
+    if not torch.equal(src.view(torch.int32), dst.view(torch.int32)):
+        raise ValueError(f"MXFP4 -> NVFP4 transcode{_where(name)} is not bit-exact")  # a bug, never data
+    return packed, ws, g

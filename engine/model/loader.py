@@ -295,6 +295,8 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32, numerics: st
             if name.endswith(".weight_scale"):
                 nvfp4.check(name, off)
             continue  # read together with its weight
+        if weight is not None and not name.endswith(".scale"):
+            raise CheckpointError(f"unexpected tensor {name}: its weight {weight} is not in the checkpoint")
         if name.startswith("mtp.") and not len(model.mtp):
             continue
         _load_tensor(ckpt, name, off, filler, device)
