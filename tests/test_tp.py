@@ -35,7 +35,7 @@ def _prompts(vocab):
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in (37, 11)]
 
 
-@pytest.mark.parametrize("preset,tp", [("tiny", 2), ("tiny", 4), ("flash", 2)])
+@pytest.mark.parametrize("preset,tp", [("tiny", 2), ("tiny", 4), ("flash", 2), ("nvfp4", 2)])
 def test_tp_reproduces_tp1(tiny_ckpt, preset, tp):
     path = tiny_ckpt(preset, 0)
     prompts = _prompts(129280)
