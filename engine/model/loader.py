@@ -58,8 +58,7 @@ class Checkpoint:
 
     def get_slice(self, name: str):
         """safetensors' lazy slice (shape, dtype, and reading only a range)."""
-        self.get_file(name)
-        return self._open[self.weight_map[name]].get_slice(name)
+        return self.get_file(name).get_slice(name)
 
     def get_slice_range(self, name: str, dim: int, lo: int, hi: int) -> torch.Tensor:
         idx = [slice(None)] * len(self.get_slice(name).get_shape())
@@ -76,16 +75,11 @@ class Checkpoint:
         return self._open[fname]
 
     def get(self, name: str) -> torch.Tensor:
-        fname = self.weight_map[name]
-        if fname not in self._open:
-            f = self.dir / fname
-            if not f.exists():
-                raise CheckpointError(f"tensor {name}: shard {fname} listed in the index is missing")
-            self._open[fname] = safe_open(f, framework="pt")
+        f = self.get_file(name)
         try:
-            return self._open[fname].get_tensor(name)
+            return f.get_tensor(name)
         except Exception as e:  # a name in the index but not in the shard
-            raise CheckpointError(f"tensor {name}: cannot be read from {fname} ({e})") from None
+            raise CheckpointError(f"tensor {name}: cannot be read from {self.weight_map[name]} ({e})") from None
 
 
 # transformers' DeepseekV4 names (as loaded, and as its save_pretrained half-reverses them)
