@@ -36,6 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--thinking", action="store_true", help="chat rows: thinking mode")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     return p.parse_args(argv)
 
 
@@ -81,7 +82,8 @@ def main(argv=None):
     from .chat import encode_chat
     from .llm import LLM
 
-    llm = LLM(args.model, tp=args.tp, device=args.device, max_num_seqs=args.max_num_seqs)
+    llm = LLM(args.model, tp=args.tp, device=args.device, max_num_seqs=args.max_num_seqs,
+              enforce_eager=args.enforce_eager)
     prompts, params, kept = [], [], []
     for n, row, p in rows:
         try:
