@@ -21,6 +21,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.kernels import sparse_attn as sa  # noqa: E402
+from bench.timing import graphed, measured_peaks  # noqa: E402
 
 D, W, TOPK, PB = 512, 128, 512, 32
 REP = dict(warmup=25, rep=100)
@@ -28,18 +29,6 @@ REP = dict(warmup=25, rep=100)
 
 def median(fn) -> float:
     return do_bench(fn, return_mode="median", **REP)                              # ms
-
-
-def measured_peaks():
-    """-> (copy bandwidth B/s counting bytes read + written, bf16 GEMM FLOP/s), measured now."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    bw = 2 * x.numel() / (median(lambda: y.copy_(x)) * 1e-3)
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn_like(a)
-    flops = 2 * 8192 ** 3 / (median(lambda: a @ b) * 1e-3)
-    del x, y, a, b
-    return bw, flops
 
 
 def n_entries(kind: str, ctx: int) -> tuple[int, int]:
@@ -63,19 +52,6 @@ def inputs(kind: str, ctx: int, T: int, H: int):
     return dict(q=torch.randn(T, H, D, **bf), kv_a=torch.randn(T * W, D, **bf), idx_a=idx_a,
                 kv_b=torch.randn((T * nb + 1) * PB, D, **bf), idx_b=idx_b,
                 sink=torch.randn(H, device="cuda"), scale=D ** -0.5)
-
-
-def graphed(fn):
-    """Capture fn (after a warm-up on a side stream that compiles it) and return the replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def kernel_op(x, splits=None):

@@ -19,6 +19,7 @@ import statistics
 import torch
 
 from engine.cache import KVCache
+from engine.kernels import set_kernels
 from engine.model.config import ModelConfig
 from engine.model.kv_cache import StepContext
 from engine.model.model import Transformer
@@ -173,6 +174,9 @@ def main():
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--quick", action="store_true", help="a few layers, batches and contexts")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--kernel-sets", default="default",
+                    help="';'-separated ENGINE_KERNELS values run side by side on the same model, e.g. "
+                         "'sparse_attn,indexer,bf16_gemm,fused_moe;default' (before/after the glue kernels)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.quick:
@@ -200,41 +204,49 @@ def main():
                     if t is not None:
                         t.normal_()
             ids = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
-            ctx = StepContext(torch.arange(B, device="cuda"), torch.full((B, 1), ctx_len - 1, device="cuda"),
-                              table, cache.block_tokens, ctx_len)
-            run = lambda: model.forward_step(ids, ctx, cache.layers)  # noqa: E731
-            with torch.inference_mode():
-                t_eager = timed(run, reps=10)
-                t_graph = None
-                if not args.no_graphs:
-                    s = torch.cuda.Stream()
-                    s.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(s):
-                        run()
-                    torch.cuda.current_stream().wait_stream(s)
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        run()
-                    t_graph = timed(g.replay, reps=20)
-                    del g
-                br = breakdown(run)
-            t = t_graph or t_eager
-            ar = allreduce_us(B, cfg.n_layers, args.tp) / 1e6
-            nbytes = step_bytes(model, cfg, args.tp, B, ctx_len)
-            row = dict(ctx=ctx_len, batch=B, eager_ms=t_eager * 1e3, graph_ms=t_graph and t_graph * 1e3,
-                       tok_s=B / t, tok_s_with_allreduce=B / (t + ar), allreduce_ms=ar * 1e3,
-                       bytes=nbytes, roofline_ms=nbytes / bw * 1e3, achieved_tbs=nbytes / t / 1e12, breakdown=br)
-            rows.append(row)
-            bd = " ".join(f"{k}={v:.2f}" if k != "kernels" else f"kernels={v}" for k, v in br.items())
-            print(f"{ctx_len:>6} {B:>4} {t_eager * 1e3:>9.2f} {(t_graph or 0) * 1e3:>9.2f} "
-                  f"{t_eager / t:>5.1f} {B / t:>8.1f} {B / (t + ar):>9.1f} {nbytes / bw * 1e3:>11.2f} "
-                  f"{nbytes / t / 1e12:>8.2f}  {bd}")
+            for kset in args.kernel_sets.split(";"):
+                set_kernels(None if kset == "default" else kset)
+                rows.append(measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset))
             del cache
             torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), bandwidth=bw, bf16_peak=peak, tp=args.tp,
                            layers=args.layers, rows=rows), f, indent=1)
+
+
+def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
+    """One (context, batch, kernel set): eager and graph step times, the profile, the roofline."""
+    slots, positions = torch.arange(B, device="cuda"), torch.full((B, 1), ctx_len - 1, device="cuda")
+    # a fresh StepContext per call, as the runner makes one per step (it memoises the rope tables)
+    run = lambda: model.forward_step(ids, StepContext(slots, positions, table, cache.block_tokens, ctx_len),  # noqa: E731
+                                     cache.layers)
+    with torch.inference_mode():
+        t_eager = timed(run, reps=10)
+        t_graph = None
+        if not args.no_graphs:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                run()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                run()
+            t_graph = timed(g.replay, reps=20)
+            del g
+        br = breakdown(run)
+    t = t_graph or t_eager
+    ar = allreduce_us(B, cfg.n_layers, args.tp) / 1e6
+    nbytes = step_bytes(model, cfg, args.tp, B, ctx_len)
+    row = dict(ctx=ctx_len, batch=B, kernels=kset, eager_ms=t_eager * 1e3, graph_ms=t_graph and t_graph * 1e3,
+               tok_s=B / t, tok_s_with_allreduce=B / (t + ar), allreduce_ms=ar * 1e3,
+               bytes=nbytes, roofline_ms=nbytes / bw * 1e3, achieved_tbs=nbytes / t / 1e12, breakdown=br)
+    bd = " ".join(f"{k}={v:.2f}" if k != "kernels" else f"kernels={v}" for k, v in br.items())
+    print(f"{ctx_len:>6} {B:>4} {t_eager * 1e3:>9.2f} {(t_graph or 0) * 1e3:>9.2f} "
+          f"{t_eager / t:>5.1f} {B / t:>8.1f} {B / (t + ar):>9.1f} {nbytes / bw * 1e3:>11.2f} "
+          f"{nbytes / t / 1e12:>8.2f}  [{kset}] {bd}", flush=True)
+    return row
 
 
 if __name__ == "__main__":

@@ -19,24 +19,13 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.kernels import indexer as ix  # noqa: E402
+from bench.timing import graphed, measured_peaks  # noqa: E402
 
 H, D, TOPK, PB = 64, 128, 512, 32
 
 
 def median(fn) -> float:
     return do_bench(fn, return_mode="median")                                    # ms
-
-
-def measured_peaks():
-    """-> (copy bandwidth B/s counting bytes read + written, bf16 GEMM FLOP/s), measured now."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    bw = 2 * x.numel() / (median(lambda: y.copy_(x)) * 1e-3)
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn_like(a)
-    flops = 2 * 8192 ** 3 / (median(lambda: a @ b) * 1e-3)
-    del x, y, a, b
-    return bw, flops
 
 
 def inputs(T, N):
@@ -46,19 +35,6 @@ def inputs(T, N):
     return dict(q=torch.randn(T, H, D, device="cuda").bfloat16(), w=torch.randn(T, H, device="cuda"),
                 idx_k_store=torch.randn((T * nb + 1) * PB, D, device="cuda").bfloat16(),
                 block_table=bt, per_block=PB, n_visible=torch.full((T,), N, dtype=torch.int32, device="cuda"))
-
-
-def graphed(fn):
-    """Capture fn (after a warm-up that compiles it) and return the replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def cost(T, N):

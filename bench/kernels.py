@@ -2,9 +2,9 @@
 
     python bench/kernels.py [--quick] [--only fp8_gemm,mhc_mix] [--M 1 16 256]
 
-Every row: do_bench medians in us (after do_bench's warm-up; it clears L2 before each repetition,
-so weights come from HBM as they do in decode, where every layer's weights are new) of the kernel
-and of its reference, then bytes / the measured copy bandwidth and FLOPs / the measured bf16 GEMM
+Every row: do_bench medians in us under CUDA-graph replay (bench/timing.py: warm-up, L2 cleared
+before each repetition, no Python launch cost, as decode runs them) of the kernel and of its
+reference, then bytes / the measured copy bandwidth and FLOPs / the measured bf16 GEMM
 rate. Both peaks are measured at the start of this run; the roofline time is the larger of the two
 quotients and %roof is roofline / measured. fp8 rows count FLOPs against the bf16 peak (H200 fp8
 dense is twice that), so their %peak reads high by design.
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.timing import graph_us, measured_peaks  # noqa: E402
 from engine.kernels import bf16_gemm as bg  # noqa: E402
 from engine.kernels import fp8_gemm as fg  # noqa: E402
 from engine.model.formats import fp8_block_dequant  # noqa: E402
@@ -60,17 +60,10 @@ class Ctx:
 
     @staticmethod
     def time(fn) -> float:
-        return do_bench(fn, return_mode="median") * 1e3                       # us
+        return graph_us(fn)                                                    # us, graph replay
 
     def measure_peaks(self):
-        x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-        y = torch.empty_like(x)
-        self.bw = 2 * x.numel() / (self.time(lambda: y.copy_(x)) * 1e-6)
-        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn_like(a)
-        self.peak = 2 * 8192 ** 3 / (self.time(lambda: a @ b) * 1e-6)
-        del x, y, a, b
-        torch.cuda.empty_cache()
+        self.bw, self.peak = measured_peaks()
 
 
 # ----------------------------------------------------------------------------- fp8 GEMMs

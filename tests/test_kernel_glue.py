@@ -1,4 +1,4 @@
-"""Fused glue kernels (engine/kernels: sinkhorn, mhc_pre, mhc_post, rope_kv, router) vs torch.
+"""Fused glue kernels (engine/kernels: sinkhorn, mhc_pre, mhc_post, rope_kv, router, act_sim) vs torch.
 
 CPU: the kernels run under TRITON_INTERPRET=1 in one child process (this file run as a script;
 triton reads the variable when a kernel module is imported), so it never reaches other test
@@ -21,12 +21,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from engine.kernels.act_sim import fp4_sim, fp4_sim_ref, fp8_sim, fp8_sim_ref  # noqa: E402
 from engine.kernels.mhc_post import mhc_post, mhc_post_ref  # noqa: E402
 from engine.kernels.mhc_pre import mhc_pre, mhc_pre_ref  # noqa: E402
 from engine.kernels.rope_kv import rope_qkv, rope_qkv_ref  # noqa: E402
 from engine.kernels.router import route, route_ref  # noqa: E402
 from engine.kernels.sinkhorn import sinkhorn, sinkhorn_ref  # noqa: E402
-from engine.model.rope import inv_freq  # noqa: E402
+from engine.kernels import set_kernels  # noqa: E402
+from engine.model.rope import cos_sin, inv_freq  # noqa: E402
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -153,8 +155,94 @@ def check_route_ties(dev="cpu"):
     close(w[0], torch.full((3,), 1 / 3, device=dev), 1e-6)
 
 
+def check_act_sim(T, D, dtype, fp4, block, dev="cpu"):
+    """The round trips are exact: the kernel must equal the torch reference bit for bit, on
+    values spread over many binades, exact ties of the grids, zeros and tiny blocks."""
+    r = gen(dev)
+    x = r(T, D) * torch.exp2(torch.randint(-20, 12, (T, D // block, 1)).float().to(dev)).expand(-1, -1, block).reshape(T, D)
+    grid = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] if fp4 else [1.0625, 1.1875, 17.0, 0.0029296875])
+    x[0, :len(grid)] = grid.to(dev)                           # exact ties of the grid: the block amax below keeps scale 1
+    x[0, len(grid):block] = 0.0
+    x[0, block - 1] = 6.0 if fp4 else 448.0
+    if T > 1:
+        x[1, :block] = 0.0                                        # an all-zero block
+    x = x.to(dtype)
+    kernel, ref = (fp4_sim, fp4_sim_ref) if fp4 else (fp8_sim, fp8_sim_ref)
+    with poisoned():
+        got = kernel(x, block)
+    want = ref(x, block)
+    assert got.dtype == x.dtype and torch.equal(got, want), (got - want).abs().max()
+    out = torch.full_like(x, float("nan"))
+    assert kernel(x, block, out=out) is out and torch.equal(out, want)
+    return lambda: kernel(x, block)
+
+
+def check_compressor(dtype, ratio, D=128, sim=0, B=5, steps=None, dev="cpu", R=64):
+    """compress_decode against Compressor._decode (the engine's torch code) over enough decode
+    steps that every row completes windows at different times: states, and every pool row."""
+    from engine.kernels.compressor import compress_decode
+    from engine.model.compressor import Compressor
+    from engine.model.kv_cache import StepContext
+
+    cfg = types.SimpleNamespace(ratio=lambda layer: ratio, rope_dim=R, norm_eps=1e-6, dim=32)
+    comp = Compressor(cfg, 0, D, rotate=sim == 2).to(dev)
+    r = gen(dev, seed=ratio + sim)
+    coff = 2 if ratio == 4 else 1
+    comp.ape.data = r(ratio, coff * D, s=0.5)
+    comp.norm.weight.data = 1 + r(D, s=0.1)
+    comp.wkv.weight.data, comp.wgate.weight.data = r(coff * D, 32), r(coff * D, 32)
+    comp = comp.to(dtype) if dtype != F32 else comp
+    comp.ape.data, comp.norm.weight.data = comp.ape.data.float(), comp.norm.weight.data.float()
+    comp.sim = sim != 0
+    bt, per_block = 2 * ratio, 2
+    slots_n, blocks = B + 2, 4 * B + 2
+    kst = torch.zeros(slots_n, coff * ratio, coff * D, device=dev)
+    sst = torch.full_like(kst, float("-inf"))
+    store = torch.full((blocks * per_block, D), float("nan"), dtype=dtype, device=dev)
+    kst2, sst2, store2 = kst.clone(), sst.clone(), store.clone()
+    table = (1 + torch.randperm(blocks - 1)[:B * 4]).view(B, 4).to(dev)
+    slots = torch.randperm(slots_n)[:B].to(dev)
+    start = torch.randint(0, ratio, (B,)).to(dev)               # rows start inside a window
+    inv = inv_freq(R, 10000.0, None).to(dev)
+    for step in range(steps or 2 * ratio + 2):
+        pos = (start + step)[:, None]
+        ctx = StepContext(slots, pos, table, bt, int(pos.max()) + 1)
+        x = r(B, 32).to(dtype)
+        set_kernels("none")                   # the reference and the projections: torch
+        try:
+            comp._decode(x, ctx, kst, sst, store, inv)
+            kv, score = comp.project(x, None)
+        finally:
+            set_kernels(None)
+        cos, sin = (t.reshape(B, -1) for t in cos_sin(pos // ratio * ratio, inv))
+        with poisoned():
+            compress_decode(kv, score, comp.ape, kst2, sst2, store2, slots, pos, table, bt, comp.norm.weight,
+                            cos, sin, 1e-6, ratio, sim)
+        close(kst2, kst, 1e-5)
+        close(sst2, sst, 1e-5)
+    # block 0 takes the torch code's unused pooled values (nothing reads it); the kernel skips them
+    store, store2 = store[per_block:], store2[per_block:]
+    assert torch.equal(store2.isnan(), store.isnan()), "pool rows written differ"
+    w = ~store.isnan().all(-1)
+    assert w.sum() >= B, "too few windows completed"
+    close(store2[w], store[w], tol_for(dtype, dev) if sim == 0 else 1e-2)
+    return lambda: compress_decode(kv, score, comp.ape, kst2, sst2, store2, slots, pos, table, bt, comp.norm.weight,
+                                   cos, sin, 1e-6, ratio, sim)
+
+
 def _cpu_cases():
     cases = {"route_ties": (check_route_ties, {})}
+    for ratio in (4, 16):
+        for dt in (F32, BF16):
+            for sim in (0, 1, 2):
+                n = str(dt).split(".")[-1]
+                cases[f"compressor-r{ratio}-{n}-sim{sim}"] = (check_compressor, dict(dtype=dt, ratio=ratio, sim=sim))
+    for fp4, block in ((False, 128), (False, 64), (True, 32)):
+        for dt in (F32, BF16):
+            n = str(dt).split(".")[-1]
+            for T, D in ((1, 256), (3, 384)):
+                cases[f"act_sim-{'fp4' if fp4 else 'fp8'}-b{block}-T{T}-D{D}-{n}"] = (
+                    check_act_sim, dict(T=T, D=D, dtype=dt, fp4=fp4, block=block))
     for T in (1, 3, 7):
         cases[f"sinkhorn-T{T}"] = (check_sinkhorn, dict(T=T, out=T == 7))
         for dt in (F32, BF16):
@@ -310,6 +398,33 @@ def test_gpu_route(T):
     for hashed in (False, True):
         graph_equals_eager(check_route(T, 256, 6, hashed, dev="cuda"))
     check_route_ties(dev="cuda")
+
+
+@pytest.mark.parametrize("T", TS)
+@on_gpu
+def test_gpu_act_sim(T):
+    for D, fp4, block in ((4096, False, 128), (1024, False, 128), (448, False, 64), (128, True, 32), (8192, True, 32)):
+        graph_equals_eager(check_act_sim(T, D, BF16, fp4, block, dev="cuda"))
+        check_act_sim(T, D, F32, fp4, block, dev="cuda")
+
+
+@pytest.mark.parametrize("ratio,D,sim", [(4, 512, 1), (4, 512, 0), (4, 128, 2), (128, 512, 1), (128, 512, 0)])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@on_gpu
+def test_gpu_compressor(ratio, D, sim, dtype):
+    """Real layouts: CSA attention (ratio 4, d 512, FP8 KV), CSA indexer keys (d 128, Hadamard +
+    FP4), HCA (ratio 128), 64 rows; then the kernel under graph replay equals it eagerly."""
+    run = check_compressor(dtype, ratio, D=D, sim=sim, B=64, steps=ratio + 3, dev="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    g.replay()
+    torch.cuda.synchronize()
 
 
 def _child(path):

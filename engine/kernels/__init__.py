@@ -7,9 +7,13 @@ The default leaves fp8_gemm off: on the H200 it measured slower than cuBLAS bf16
 dequantised weights (bench/RESULTS.md), so it is opt-in until it is tuned."""
 import os
 
-KERNELS = ("sparse_attn", "indexer", "fp8_gemm", "bf16_gemm", "fused_moe", "mhc", "rope_kv", "router")
-DEFAULT = ("sparse_attn", "indexer", "bf16_gemm", "fused_moe", "mhc", "rope_kv", "router")
+import torch
+
+KERNELS = ("sparse_attn", "indexer", "fp8_gemm", "bf16_gemm", "fused_moe", "mhc", "rope_kv", "router", "act_sim", "compressor")
+DEFAULT = ("sparse_attn", "indexer", "bf16_gemm", "fused_moe", "mhc", "rope_kv", "router", "act_sim", "compressor")
 _on: set[str] | None = None
+# CPU tests run the whole model through the kernels under TRITON_INTERPRET=1 by setting this
+CPU_INTERPRETED = False
 
 
 def set_kernels(names) -> None:
@@ -33,3 +37,9 @@ def use_kernel(name: str) -> bool:
     if _on is None:
         set_kernels(os.environ.get("ENGINE_KERNELS", ",".join(DEFAULT)))
     return name in _on
+
+
+def runs_kernel(name: str, x: torch.Tensor) -> bool:
+    """Does kernel `name` run for activations x: a bf16 model on CUDA (the kernels' target), or
+    any dtype on CPU when a test interprets the kernels (CPU_INTERPRETED)."""
+    return use_kernel(name) and (x.is_cuda and x.dtype == torch.bfloat16 or CPU_INTERPRETED and not x.is_cuda)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from engine.model.formats import fp8_block_dequant
-from engine.model.quant_sim import fp8_sim
+from engine.model.quant_sim import fp8_sim_ref as fp8_sim
 from .mhc_post import round_to
 
 QBLOCK = 128                      # weight scale block and activation quant block
@@ -92,9 +92,21 @@ class SplitKWorkspace:
         return cls(max((n for n, _ in needs), default=1), max((t for _, t in needs), default=1), device)
 
 
+_shared: dict = {}      # device -> the SplitKWorkspace GEMMs use when none is passed
+
+
 def get_workspace(workspace, partial_numel, n_tickets, device):
-    if workspace is None:                          # eager convenience; graphs must pass one
-        return SplitKWorkspace(partial_numel, n_tickets, device)
+    """The given workspace, or the device's shared one, grown to fit. Kernels on one stream run
+    one after another and leave the tickets at zero, so all of them can share it. It only grows
+    outside a CUDA-graph capture: the eager warm-up before a capture sizes it for that step."""
+    if workspace is None:
+        ws = _shared.get(device)
+        if ws is None or partial_numel > ws.partials.numel() or n_tickets > ws.tickets.numel():
+            if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("split-K workspace must grow inside a graph capture: run the step eagerly first")
+            old = (ws.partials.numel(), ws.tickets.numel()) if ws is not None else (0, 0)
+            ws = _shared[device] = SplitKWorkspace(max(partial_numel, old[0]), max(n_tickets, old[1]), device)
+        return ws
     workspace.check(partial_numel, n_tickets)
     return workspace
 

@@ -14,34 +14,10 @@ import triton
 import triton.language as tl
 
 from engine.model.norm import rms_norm
-from engine.model.quant_sim import fp8_sim
+from engine.model.quant_sim import fp8_sim_ref as fp8_sim
 from engine.model.rope import apply_rope, cos_sin
+from .act_sim import fp8_round_trip
 from .mhc_post import round_to
-
-
-@triton.jit
-def _e4m3(y):
-    """Round fp32 |y| <= 448 to e4m3 (nearest, ties even), exactly, from the float's bits."""
-    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.maximum(e, -6)                                    # e4m3 subnormals: step 2^-9
-    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    inv = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)
-    v = y * inv                                              # |v| < 16: exact (power of two)
-    return ((v + 12582912.0) - 12582912.0) * step            # 1.5 * 2^23: rint, ties to even
-
-
-@triton.jit
-def _fp8_sim(y, N: tl.constexpr, FB: tl.constexpr):
-    """y [N] fp32 -> e4m3 round trip per FB channels, scale 2^ceil(log2(amax / 448))."""
-    b = tl.reshape(y, (N // FB, FB))
-    amax = tl.maximum(tl.max(tl.abs(b), axis=1), 1e-4)                                   # [N/FB]
-    # smallest 2^k with amax <= 448 * 2^k = 1.75 * 2^(k+8): from amax's exponent and mantissa
-    bits = amax.to(tl.int32, bitcast=True)
-    k = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    s = ((k + 127) << 23).to(tl.float32, bitcast=True)
-    inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
-    q = tl.minimum(tl.maximum(b * inv[:, None], -448.0), 448.0)
-    return tl.reshape(_e4m3(q) * s[:, None], (N,))
 
 
 @triton.jit
@@ -71,29 +47,46 @@ def _rope_qkv_kernel(q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, inv_ptr, q
         ang = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_ptr + p, mask=pm, other=0.0)
         cos = tl.cos(ang)
         sin = tl.sin(ang)
-    d = tl.arange(0, DH)
     if hb * BLOCK_H < H:
-        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        hm = (h < H)[:, None]
-        x = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=hm, other=0.0)
-        x = x.to(tl.float32)                                                            # [BH,DH]
-        y = x * tl.math.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) / DH + eps)
-        y = _rope(round_to(y, qo_ptr.dtype.element_ty), cos, sin, BLOCK_H, DH, R)
-        o = qo_ptr + (t * H + h[:, None]) * DH + d[None, :]
-        tl.store(o, round_to(y, qo_ptr.dtype.element_ty), mask=hm)
+        _q_heads(q_ptr, qo_ptr, t, hb, H, stride_qt, stride_qh, cos, sin, eps, DH, R, BLOCK_H)
     else:
-        x = tl.load(kv_ptr + t * stride_kvt + d).to(tl.float32)                         # [DH]
-        r = tl.math.rsqrt(tl.sum(x * x, axis=0) / DH + eps)
-        y = round_to(tl.load(w_ptr + d).to(tl.float32) * (x * r), kvo_ptr.dtype.element_ty)
-        y = tl.reshape(_rope(tl.reshape(y, (1, DH)), cos, sin, 1, DH, R), (DH,))
-        y = round_to(y, kvo_ptr.dtype.element_ty)
-        if FP8:
-            y = tl.where(d < DH - R, round_to(_fp8_sim(y, DH, FB), kvo_ptr.dtype.element_ty), y)
-        tl.store(kvo_ptr + t * DH + d, y)
-        if RING:
-            slot = tl.load(slot_ptr + t)
-            row = ring_ptr + slot * stride_rs + (tl.load(pos_ptr + t) % W) * stride_rw
-            tl.store(row + d, round_to(y, ring_ptr.dtype.element_ty), mask=(d < DH) & (slot >= 0))
+        _kv_row(kv_ptr, w_ptr, kvo_ptr, ring_ptr, slot_ptr, pos_ptr, t, W, stride_kvt, stride_rs, stride_rw,
+                cos, sin, eps, DH, R, FP8, FB, RING)
+
+
+# The two branches live in their own functions: variables of one name but different shapes in
+# the two arms of a runtime `if` do not compile (the interpreter would not notice).
+@triton.jit
+def _q_heads(q_ptr, qo_ptr, t, hb, H, stride_qt, stride_qh, cos, sin, eps,
+             DH: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
+    d = tl.arange(0, DH)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = (h < H)[:, None]
+    x = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=hm, other=0.0)
+    x = x.to(tl.float32)                                                                # [BH,DH]
+    y = x * tl.math.rsqrt(tl.sum(x * x, axis=1, keep_dims=True) / DH + eps)
+    y = _rope(round_to(y, qo_ptr.dtype.element_ty), cos, sin, BLOCK_H, DH, R)
+    o = qo_ptr + (t * H + h[:, None]) * DH + d[None, :]
+    tl.store(o, round_to(y, qo_ptr.dtype.element_ty), mask=hm)
+
+
+@triton.jit
+def _kv_row(kv_ptr, w_ptr, kvo_ptr, ring_ptr, slot_ptr, pos_ptr, t, W, stride_kvt, stride_rs, stride_rw,
+            cos, sin, eps, DH: tl.constexpr, R: tl.constexpr, FP8: tl.constexpr, FB: tl.constexpr,
+            RING: tl.constexpr):
+    d = tl.arange(0, DH)
+    x = tl.load(kv_ptr + t * stride_kvt + d).to(tl.float32)                             # [DH]
+    r = tl.math.rsqrt(tl.sum(x * x, axis=0) / DH + eps)
+    y = round_to(tl.load(w_ptr + d).to(tl.float32) * (x * r), kvo_ptr.dtype.element_ty)
+    y = tl.reshape(_rope(tl.reshape(y, (1, DH)), cos, sin, 1, DH, R), (DH,))
+    y = round_to(y, kvo_ptr.dtype.element_ty)
+    if FP8:
+        y = tl.where(d < DH - R, round_to(fp8_round_trip(y, DH, FB), kvo_ptr.dtype.element_ty), y)
+    tl.store(kvo_ptr + t * DH + d, y)
+    if RING:
+        slot = tl.load(slot_ptr + t)
+        row = ring_ptr + slot * stride_rs + (tl.load(pos_ptr + t) % W) * stride_rw
+        tl.store(row + d, round_to(y, ring_ptr.dtype.element_ty), mask=(d < DH) & (slot >= 0))
 
 
 def rope_qkv(q, kv, kv_weight, eps, cos=None, sin=None, *, positions=None, inv_freq=None,

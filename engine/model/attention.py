@@ -17,9 +17,7 @@ from .indexer import Indexer
 from .linear import Linear
 from .norm import RMSNorm, rms_norm
 from .quant_sim import fp8_sim
-from ..kernels import use_kernel
-
-_FORCE = False  # tests: take the kernel path on CPU (with the kernels swapped for their references)
+from ..kernels import runs_kernel
 from .kv_cache import LayerCache, StepContext, entry_loc, window_keys
 from .rope import apply_rope, cos_sin, layer_inv_freq
 from .precision import up
@@ -74,6 +72,7 @@ class Attention(nn.Module):
         self.compressor = Compressor(cfg, layer, cfg.head_dim, rotate=False, dtype=dtype) if self.ratio else None
         self.indexer = Indexer(cfg, layer, dtype=dtype) if self.kind == "csa" else None
         self.register_buffer("inv_freq", layer_inv_freq(cfg, layer), persistent=False)
+        self.rope_key = "compressed" if self.ratio else "plain"      # which inv_freq set (StepContext.cos_sin)
         self.sim = False
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -117,10 +116,10 @@ class Attention(nn.Module):
 
     def forward_cached(self, x: torch.Tensor, ctx: StepContext, cache: LayerCache) -> torch.Tensor:
         """This step's tokens x [B,S,D] against the engine's cache -> [B,S,D]; updates the cache."""
-        if ctx.decode and use_kernel("sparse_attn") and (x.is_cuda and x.dtype == torch.bfloat16 or _FORCE):
+        if ctx.decode and runs_kernel("sparse_attn", x):
             return self.decode_kernels(x, ctx, cache)
         pos = ctx.positions
-        cos, sin = cos_sin(pos, self.inv_freq)
+        cos, sin = ctx.cos_sin(self.rope_key, self.inv_freq)
         q, kv, qr = self.qkv(x, cos, sin)
         keys, valid = window_keys(kv, ctx, cache.window)
         if self.compressor is not None:
@@ -143,10 +142,19 @@ class Attention(nn.Module):
         from ..kernels.sparse_attn import sparse_mqa
 
         pos = ctx.positions[:, 0]
-        cos, sin = cos_sin(ctx.positions, self.inv_freq)
-        q, kv, qr = self.qkv(x, cos, sin)
+        cos, sin = ctx.cos_sin(self.rope_key, self.inv_freq)
         W = cache.window.shape[1]
-        cache.window[ctx.slots, pos % W] = kv[:, 0].to(cache.window.dtype)
+        if runs_kernel("rope_kv", x):
+            # norms, RoPE, the KV's FP8 rounding and the ring write in one kernel
+            from ..kernels.rope_kv import rope_qkv
+
+            qr = self.q_norm(self.wq_a(x))
+            q, _ = rope_qkv(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), self.wkv(x),
+                            self.kv_norm.weight, self.eps, cos, sin, positions=ctx.positions,
+                            ring=cache.window, slots=ctx.slots, fp8=self.sim)
+        else:
+            q, kv, qr = self.qkv(x, cos, sin)
+            cache.window[ctx.slots, pos % W] = kv[:, 0].to(cache.window.dtype)
         key_pos = pos[:, None] - W + 1 + torch.arange(W, device=x.device)                  # [B,W]
         idx_a = torch.where(key_pos >= 0, ctx.slots[:, None] * W + key_pos % W, -1)
         kv_b = idx_b = None

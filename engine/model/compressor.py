@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import runs_kernel
 from .config import ModelConfig
 from .kv_cache import entry_loc
 from .linear import Linear
@@ -33,12 +34,17 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
         self.sim = False
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [..., D], positions [...] -> kv, score [..., coff*d] fp32 (score has its slot's ape)."""
-        xf = up(x)
-        kv = F.linear(xf, up(self.wkv.weight))
-        score = F.linear(xf, up(self.wgate.weight)) + self.ape[positions % self.ratio]
-        return kv, score
+    def project(self, x: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., D], positions [...] -> kv, score [..., coff*d] fp32 (score has its slot's ape;
+        positions None: without it)."""
+        if runs_kernel("bf16_gemm", x):     # bf16 in, fp32 out: the up-cast GEMM without the casts
+            from ..kernels.bf16_gemm import bf16_gemm
+
+            kv, score = bf16_gemm(x, self.wkv.weight), bf16_gemm(x, self.wgate.weight)
+        else:
+            xf = up(x)
+            kv, score = F.linear(xf, up(self.wkv.weight)), F.linear(xf, up(self.wgate.weight))
+        return kv, score if positions is None else score + self.ape[positions % self.ratio]
 
     def pool(self, kv: torch.Tensor, score: torch.Tensor, prev: tuple | None = None) -> torch.Tensor:
         """Complete windows kv, score [B,n,ratio,coff*d] -> entries [B,n,d] fp32.
@@ -96,6 +102,8 @@ class Compressor(nn.Module):
         """One token per row, no host sync: the pooled entry is always computed and written to
         its block when the window completes, else to the never-read block 0."""
         r, d, slots, pos = self.ratio, self.head_dim, ctx.slots, ctx.positions[:, 0]
+        if runs_kernel("compressor", x):
+            return self._decode_kernel(x, ctx, kv_state, score_state, store, inv_freq)
         kv, score = self.project(x, pos)                                  # [B, coff*d]
         off = r if self.overlap else 0
         kv_state[slots, off + pos % r] = kv
@@ -112,6 +120,18 @@ class Compressor(nn.Module):
             e = emit[:, None, None]
             kv_state[slots, :r] = torch.where(e, st_kv[:, r:], st_kv[:, :r])
             score_state[slots, :r] = torch.where(e, st_sc[:, r:], st_sc[:, :r])
+
+    def _decode_kernel(self, x, ctx, kv_state, score_state, store, inv_freq):
+        """_decode in three kernels: the two projections and engine.kernels.compressor."""
+        from ..kernels.compressor import SIM_FP4, SIM_FP8, SIM_NONE, compress_decode
+
+        r = self.ratio
+        kv, score = self.project(x, None)
+        # rope tables at the entries' positions, shared by every layer of this ratio in the step
+        cos, sin = ctx.cos_sin(f"entry/{r}", inv_freq, positions=ctx.positions // r * r)
+        sim = (SIM_FP4 if self.rotate else SIM_FP8) if self.sim else SIM_NONE
+        compress_decode(kv, score, self.ape, kv_state, score_state, store, ctx.slots, ctx.positions,
+                        ctx.block_table, ctx.block_tokens, self.norm.weight, cos, sin, self.norm.eps, r, sim)
 
     def _prefill(self, x, b, start, ctx, kv_state, score_state, store, inv_freq):
         """Row b's chunk x [S,D] at positions start.. : windows it completes are emitted at once."""

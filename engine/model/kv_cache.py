@@ -10,7 +10,7 @@ block_table[e // per_block] at offset e % per_block. Block 0 is never handed out
 that must not land (an entry that is not complete yet) go there, so a step needs no
 data-dependent branch.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,16 @@ class StepContext:
     block_tokens: int
     max_len: int                # host int: max over rows of (last position + 1); sizes the gathers
     starts: list[int] | None = None   # host ints, first position per row (prefill only)
+    rope: dict = field(default_factory=dict)   # this step's rotary tables, filled by cos_sin
+
+    def cos_sin(self, key: str, inv_freq: torch.Tensor, positions: torch.Tensor | None = None):
+        """cos, sin [B,S,R/2] of this step's positions (or of `positions`), computed once per step
+        and `key`: the layers share two frequency sets (plain, compressed) and the compressors
+        of one ratio share their entries' positions."""
+        if key not in self.rope:
+            from .rope import cos_sin
+            self.rope[key] = cos_sin(self.positions if positions is None else positions, inv_freq)
+        return self.rope[key]
 
     @property
     def decode(self) -> bool:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.comm import all_reduce, shard
-from ..kernels import use_kernel
+from ..kernels import runs_kernel, use_kernel
 from .config import ModelConfig
 from .linear import Linear
 from .quant_sim import fp8_sim
@@ -39,6 +39,8 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T,D], ids [T] -> routing weights [T,k] fp32, expert ids [T,k]."""
+        if runs_kernel("router", x) and self.score_func == "sqrtsoftplus" and x.dtype != torch.float64:
+            return self.route_fused(x, ids)
         logits = F.linear(up(x), up(self.weight))
         if self.score_func == "sqrtsoftplus":
             scores = F.softplus(logits).sqrt()
@@ -54,6 +56,17 @@ class Gate(nn.Module):
         if self.norm_topk and self.score_func != "softmax":
             w = w / w.sum(-1, keepdim=True)
         return w * self.route_scale, idx
+
+    def route_fused(self, x: torch.Tensor, ids: torch.Tensor):
+        """The gate GEMM (bf16 in, fp32 out) and one router kernel for scores, top-k, renormalise."""
+        from ..kernels.bf16_gemm import bf16_gemm
+        from ..kernels.router import route
+
+        logits = bf16_gemm(x, self.weight) if use_kernel("bf16_gemm") else F.linear(up(x), up(self.weight))
+        if self.is_hash:
+            return route(logits, self.topk, self.route_scale, tid2eid=self.tid2eid, token_ids=ids,
+                         renorm=self.norm_topk)
+        return route(logits, self.topk, self.route_scale, bias=self.bias, renorm=self.norm_topk)
 
 
 class Experts(nn.Module):

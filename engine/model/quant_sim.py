@@ -6,6 +6,8 @@ rotation and FP4, and every FP8/FP4 GEMM's activations through FP8 per 128 chann
 All scales are powers of two (UE8M0).
 """
 import torch
+
+from ..kernels import runs_kernel
 from .precision import up
 
 FP8_MAX = 448.0
@@ -31,7 +33,16 @@ def _to_e4m3(y: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_sim(x: torch.Tensor, block: int) -> torch.Tensor:
-    """e4m3 round trip per `block` channels of the last dim."""
+    """e4m3 round trip per `block` channels of the last dim (one kernel where it runs)."""
+    if runs_kernel("act_sim", x) and x.shape[-1] % block == 0:
+        from ..kernels.act_sim import fp8_sim as kernel
+
+        return kernel(x, block)
+    return fp8_sim_ref(x, block)
+
+
+def fp8_sim_ref(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Torch reference of fp8_sim."""
     xb = up(x).unflatten(-1, (-1, block))
     s = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp(min=1e-4), FP8_MAX)
     q = up(_to_e4m3((xb / s).clamp(-FP8_MAX, FP8_MAX))).to(xb.dtype)
@@ -52,7 +63,16 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp4_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """e2m1 round trip per `block` channels of the last dim."""
+    """e2m1 round trip per `block` channels of the last dim (one kernel where it runs)."""
+    if runs_kernel("act_sim", x) and x.shape[-1] % block == 0:
+        from ..kernels.act_sim import fp4_sim as kernel
+
+        return kernel(x, block)
+    return fp4_sim_ref(x, block)
+
+
+def fp4_sim_ref(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Torch reference of fp4_sim."""
     xb = up(x).unflatten(-1, (-1, block))
     s = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp(min=FP4_MAX * 2.0 ** -126), FP4_MAX)
     q = round_e2m1((xb / s).clamp(-FP4_MAX, FP4_MAX))

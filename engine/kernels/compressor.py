@@ -1,0 +1,134 @@
+"""The KV compressor's decode step after its two projections, one kernel per step.
+
+Replaces the tail of engine.model.compressor.Compressor._decode (about 45 small torch ops):
+per sequence row, in one program,
+  1. add the slot's positional bias ape[pos % r] to the gate scores, write the token's kv and
+     score into the running state (row off + pos % r; off = r for the overlapping ratio 4);
+  2. if this token completes a window: softmax-pool the window per channel (ratio 4: the A
+     half of the previous window's rows with the B half of this one's, 2r rows; else the r
+     rows of this window), an online softmax over chunks of rows so a 128-row window of
+     512 channels never sits in registers at once;
+  3. round to the model dtype, RMSNorm, RoPE at the entry's position (cos/sin table), the
+     reference-numerics rounding (FP8 on the non-rope dims, or for indexer keys Hadamard then
+     FP4), and store the entry in its pool row (block table lookup in the kernel);
+  4. ratio 4, on completion: the finished window's rows become the previous window's.
+Rows that complete no window write only their state row (the torch code writes its unused
+pooled value to block 0, which nothing reads). The Hadamard butterfly adds and subtracts in
+the torch code's order, so it matches it exactly in fp32.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .act_sim import fp4_round_trip, fp8_round_trip
+from .mhc_post import round_to
+from .rope_kv import _rope
+
+SIM_NONE, SIM_FP8, SIM_FP4 = 0, 1, 2
+
+
+@triton.jit
+def _hadamard(y, scale, N: tl.constexpr, LOG_N: tl.constexpr):
+    """Walsh-Hadamard (Sylvester order) of y [N] fp32, times scale = N^-1/2, as quant_sim.hadamard."""
+    for i in tl.static_range(LOG_N):
+        h: tl.constexpr = 1 << i
+        t = tl.permute(tl.reshape(y, (N // (2 * h), 2, h)), (0, 2, 1))       # [N/2h, h, 2]
+        a, b = tl.split(t)
+        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (N,))
+    return y * scale
+
+
+@triton.jit
+def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, kst_ptr, sst_ptr, store_ptr, slot_ptr, pos_ptr, table_ptr,
+                     w_ptr, cos_ptr, sin_ptr, stride_kv, stride_sc, stride_pos, stride_tab, n_blocks,
+                     per_block, eps, hscale,
+                     D: tl.constexpr, C: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr,
+                     OFF: tl.constexpr, ROWS: tl.constexpr, OVERLAP: tl.constexpr, SIM: tl.constexpr,
+                     ROWS_BLOCK: tl.constexpr, LOG_D: tl.constexpr):
+    b = tl.program_id(0)
+    slot = tl.load(slot_ptr + b)
+    p = tl.load(pos_ptr + b * stride_pos)
+    cur = OFF + p % RATIO
+    cc = tl.arange(0, C)
+    kv_new = tl.load(kv_ptr + b * stride_kv + cc).to(tl.float32)
+    sc_new = tl.load(sc_ptr + b * stride_sc + cc) + tl.load(ape_ptr + (p % RATIO) * C + cc)
+    kst = kst_ptr + slot * (ROWS * C)
+    sst = sst_ptr + slot * (ROWS * C)
+    tl.store(kst + cur * C + cc, kv_new)
+    tl.store(sst + cur * C + cc, sc_new)
+    if (p + 1) % RATIO == 0:
+        d = tl.arange(0, D)
+        # this token's values as the pooled rows see them: ratio 4 rows >= r read the B half
+        kv_cur = tl.load(kv_ptr + b * stride_kv + OFF // RATIO * D + d).to(tl.float32)
+        sc_cur = tl.load(sc_ptr + b * stride_sc + OFF // RATIO * D + d) + \
+            tl.load(ape_ptr + (p % RATIO) * C + OFF // RATIO * D + d)
+        m = tl.full([D], float("-inf"), tl.float32)
+        den = tl.zeros([D], tl.float32)
+        acc = tl.zeros([D], tl.float32)
+        for r0 in tl.static_range(0, ROWS, ROWS_BLOCK):
+            s = r0 + tl.arange(0, ROWS_BLOCK)                                           # state rows
+            ch = (s >= RATIO).to(tl.int32) * D                  # rows >= r exist only for ratio 4
+            offs = s[:, None] * C + ch[:, None] + d[None, :]
+            k = tl.load(kst + offs)
+            g = tl.load(sst + offs)
+            mine = (s == cur)[:, None]
+            k = tl.where(mine, kv_cur[None, :], k)
+            g = tl.where(mine, sc_cur[None, :], g)
+            m_new = tl.maximum(m, tl.max(g, axis=0))
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            e = tl.exp(g - base[None, :])
+            keep = tl.exp(m - base)
+            den = den * keep + tl.sum(e, axis=0)
+            acc = acc * keep + tl.sum(k * e, axis=0)
+            m = m_new
+        out_ty = store_ptr.dtype.element_ty
+        c = round_to(tl.math.div_rn(acc, den), out_ty)
+        c = c * tl.math.rsqrt(tl.sum(c * c, axis=0) / D + eps)
+        c = round_to(tl.load(w_ptr + d).to(tl.float32) * c, out_ty)
+        half = tl.arange(0, D // 2) - (D - R) // 2
+        hm = half >= 0
+        cos = tl.load(cos_ptr + b * (R // 2) + half, mask=hm, other=1.0)
+        sin = tl.load(sin_ptr + b * (R // 2) + half, mask=hm, other=0.0)
+        c = round_to(tl.reshape(_rope(tl.reshape(c, (1, D)), cos, sin, 1, D, R), (D,)), out_ty)
+        if SIM == 1:
+            c = tl.where(d < D - R, round_to(fp8_round_trip(c, D, 64), out_ty), c)
+        if SIM == 2:
+            c = round_to(fp4_round_trip(round_to(_hadamard(c, hscale, D, LOG_D), out_ty), D, 32), out_ty)
+        entry = p // RATIO
+        blk = tl.minimum(entry // per_block, n_blocks - 1)
+        row = tl.load(table_ptr + b * stride_tab + blk) * per_block + entry % per_block
+        tl.store(store_ptr + row * D + d, c)
+        if OVERLAP:
+            # the finished window (rows r..2r-1, all channels) becomes the previous one (rows 0..r-1)
+            rr = tl.arange(0, RATIO)
+            src = (RATIO + rr)[:, None] * C + cc[None, :]
+            mine = (RATIO + rr == cur)[:, None]
+            tl.store(kst + rr[:, None] * C + cc[None, :], tl.where(mine, kv_new[None, :], tl.load(kst + src)))
+            tl.store(sst + rr[:, None] * C + cc[None, :], tl.where(mine, sc_new[None, :], tl.load(sst + src)))
+
+
+def compress_decode(kv, score, ape, kv_state, score_state, store, slots, positions, block_table, block_tokens,
+                    norm_weight, cos, sin, eps, ratio, sim=SIM_NONE):
+    """One decode token per row: kv, score [B, coff*d] fp32 (the wkv / wgate GEMMs, no ape),
+    ape [ratio, coff*d] fp32, kv_state / score_state [slots, coff*ratio, coff*d] fp32 (updated),
+    store [rows, d] (the flat entry pool, written where a window completes), slots [B],
+    positions [B, 1], block_table [B, max_blocks], norm_weight [d], cos / sin [B, R/2] fp32 at
+    the entry positions (pos // ratio * ratio). sim: SIM_NONE, SIM_FP8 (KV) or SIM_FP4 (indexer)."""
+    B, C = kv.shape
+    D = store.shape[-1]
+    overlap = C == 2 * D
+    assert overlap == (ratio == 4) and (overlap or C == D), (C, D, ratio)
+    rows = kv_state.shape[1]
+    assert kv_state.shape == score_state.shape == (kv_state.shape[0], rows, C) and rows == (2 if overlap else 1) * ratio
+    assert kv_state.is_contiguous() and score_state.is_contiguous() and store.is_contiguous()
+    assert kv.stride(-1) == 1 and score.stride(-1) == 1 and score.dtype == torch.float32
+    assert D & (D - 1) == 0 and ratio & (ratio - 1) == 0
+    R = 2 * cos.shape[-1]
+    if B:
+        _compress_kernel[(B,)](
+            kv, score, ape.contiguous(), kv_state, score_state, store, slots.contiguous(), positions,
+            block_table, norm_weight.contiguous(), cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous(),
+            kv.stride(0), score.stride(0), positions.stride(0), block_table.stride(0), block_table.shape[1],
+            block_tokens // ratio, eps, D ** -0.5,
+            D=D, C=C, R=R, RATIO=ratio, OFF=ratio if overlap else 0, ROWS=rows, OVERLAP=overlap, SIM=sim,
+            ROWS_BLOCK=min(rows, max(1, 4096 // D)), LOG_D=D.bit_length() - 1, num_warps=4)
