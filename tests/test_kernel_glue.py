@@ -225,13 +225,51 @@ def check_compressor(dtype, ratio, D=128, sim=0, B=5, steps=None, dev="cpu", R=6
     assert torch.equal(store2.isnan(), store.isnan()), "pool rows written differ"
     w = ~store.isnan().all(-1)
     assert w.sum() >= B, "too few windows completed"
-    close(store2[w], store[w], tol_for(dtype, dev) if sim == 0 else 1e-2)
+    if sim == 0:
+        close(store2[w], store[w], tol_for(dtype, dev))
+    else:   # FP8 / FP4 steps are coarse: an ulp apart before rounding may land a step apart, rarely
+        bad = ~torch.isclose(store2[w].float(), store[w].float(), atol=1e-2, rtol=1e-2)
+        assert bad.float().mean() < 1e-3, float(bad.float().mean())
     return lambda: compress_decode(kv, score, comp.ape, kst2, sst2, store2, slots, pos, table, bt, comp.norm.weight,
                                    cos, sin, 1e-6, ratio, sim)
 
 
+def check_rope_q(T, H, D, R, dtype, inverse, fp4, dev="cpu", max_pos=4096):
+    from engine.kernels.rope_q import rope_q, rope_q_ref
+    r = gen(dev, seed=T + H)
+    x = r(T, H, D, s=3.0).to(dtype)
+    ang = torch.randperm(max_pos)[:T].to(dev).float()[:, None] * inv_freq(R, 10000.0, None).to(dev)
+    with poisoned():
+        got = rope_q(x, ang.cos(), ang.sin(), inverse=inverse, fp4=fp4)
+    want = rope_q_ref(x, ang.cos(), ang.sin(), inverse=inverse, fp4=fp4)
+    assert got.dtype == x.dtype
+    if fp4:     # e2m1 steps are coarse: a 1-ulp rounding apart may land one step apart, rarely
+        bad = ~torch.isclose(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+        assert bad.float().mean() < 1e-3, float(bad.float().mean())
+    else:
+        close(got, want, tol_for(dtype, dev))
+    return lambda: rope_q(x, ang.cos(), ang.sin(), inverse=inverse, fp4=fp4)
+
+
+def check_rms_norm(T, D, dtype, weighted=True, dev="cpu"):
+    from engine.kernels.rms_norm import rms_norm, rms_norm_ref
+    r = gen(dev, seed=D)
+    x, w = r(T, D, s=2.0).to(dtype), ((1 + r(D, s=0.1)).to(dtype) if weighted else None)
+    with poisoned():
+        got = rms_norm(x, w, 1e-6)
+    close(got, rms_norm_ref(x, w, 1e-6), tol_for(dtype, dev))
+    return lambda: rms_norm(x, w, 1e-6)
+
+
 def _cpu_cases():
     cases = {"route_ties": (check_route_ties, {})}
+    for dt in (F32, BF16):
+        n = str(dt).split(".")[-1]
+        for T, D in ((1, 64), (3, 96)):
+            cases[f"rms_norm-T{T}-D{D}-{n}"] = (check_rms_norm, dict(T=T, D=D, dtype=dt, weighted=D == 64))
+        for inverse, fp4 in ((True, False), (False, False), (False, True)):
+            cases[f"rope_q-{n}-{'inv' if inverse else 'fwd'}{'-fp4' if fp4 else ''}"] = (
+                check_rope_q, dict(T=3, H=5, D=64, R=16, dtype=dt, inverse=inverse, fp4=fp4))
     for ratio in (4, 16):
         for dt in (F32, BF16):
             for sim in (0, 1, 2):
@@ -425,6 +463,17 @@ def test_gpu_compressor(ratio, D, sim, dtype):
         run()
     g.replay()
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("T", TS)
+@on_gpu
+def test_gpu_rope_q_rms_norm(T):
+    """Real shapes: attention output [T, 8 or 64, 512] inverse, indexer queries [T, 64, 128] + FP4."""
+    for H in (8, 64):
+        graph_equals_eager(check_rope_q(T, H, 512, 64, BF16, True, False, dev="cuda", max_pos=65536))
+    graph_equals_eager(check_rope_q(T, 64, 128, 64, BF16, False, True, dev="cuda", max_pos=65536))
+    for D in (1024, 4096):
+        graph_equals_eager(check_rms_norm(T, D, BF16, dev="cuda"))
 
 
 def _child(path):

@@ -9,8 +9,8 @@ import os
 
 import torch
 
-KERNELS = ("sparse_attn", "indexer", "fp8_gemm", "bf16_gemm", "fused_moe", "mhc", "rope_kv", "router", "act_sim", "compressor")
-DEFAULT = ("sparse_attn", "indexer", "bf16_gemm", "fused_moe", "mhc", "rope_kv", "router", "act_sim", "compressor")
+KERNELS = ("sparse_attn", "indexer", "fp8_gemm", "bf16_gemm", "fused_moe", "mhc", "rope_kv", "router", "act_sim", "compressor", "rms_norm", "rope_q")
+DEFAULT = ("sparse_attn", "indexer", "bf16_gemm", "fused_moe", "mhc", "rope_kv", "router", "act_sim", "compressor", "rms_norm", "rope_q")
 _on: set[str] | None = None
 # CPU tests run the whole model through the kernels under TRITON_INTERPRET=1 by setting this
 CPU_INTERPRETED = False

@@ -2,6 +2,7 @@
 
 fp8_sim: e4m3 per `block` channels (before every FP8/FP4 GEMM in reference numerics, and the
 KV cache's non-rope dims). fp4_sim: e2m1 per 32 channels (the indexer's queries and keys).
+hadamard_rows: the rotation the indexer applies before its FP4 rounding (used in-kernel).
 The torch versions take ~20 (fp8) and ~30 (fp4) elementwise kernels per call; these read x
 once and write it once. Scales are powers of two taken from the float's bits, so the kernel
 and the reference agree exactly (the round trip is exact in fp32; the reference's fp64 only
@@ -64,6 +65,17 @@ def fp4_round_trip(y, N: tl.constexpr, FB: tl.constexpr):
     s, inv = _pow2_at_least(tl.maximum(tl.max(tl.abs(b), axis=1), 6.0 * 2.0 ** -126), 2, 0x400000)
     q = tl.minimum(tl.maximum(b * inv[:, None], -6.0), 6.0)
     return tl.reshape(_e2m1(q) * s[:, None], (N,))
+
+
+@triton.jit
+def hadamard_rows(y, scale, M: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
+    """Walsh-Hadamard (Sylvester order) of each row of y [M, N] fp32, times scale = N^-1/2: the
+    butterfly of quant_sim.hadamard, adding and subtracting in its order (bit-exact in fp32)."""
+    for i in tl.static_range(LOG_N):                       # stage i pairs channels 2^i apart
+        t = tl.permute(tl.reshape(y, (M, N >> (i + 1), 2, 1 << i)), (0, 1, 3, 2))   # [M, N/2h, h, 2]
+        a, b = tl.split(t)
+        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (M, N))
+    return y * scale
 
 
 @triton.jit

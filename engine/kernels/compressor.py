@@ -13,29 +13,17 @@ per sequence row, in one program,
      FP4), and store the entry in its pool row (block table lookup in the kernel);
   4. ratio 4, on completion: the finished window's rows become the previous window's.
 Rows that complete no window write only their state row (the torch code writes its unused
-pooled value to block 0, which nothing reads). The Hadamard butterfly adds and subtracts in
-the torch code's order, so it matches it exactly in fp32.
+pooled value to block 0, which nothing reads).
 """
 import torch
 import triton
 import triton.language as tl
 
-from .act_sim import fp4_round_trip, fp8_round_trip
+from .act_sim import fp4_round_trip, fp8_round_trip, hadamard_rows
 from .mhc_post import round_to
 from .rope_kv import _rope
 
 SIM_NONE, SIM_FP8, SIM_FP4 = 0, 1, 2
-
-
-@triton.jit
-def _hadamard(y, scale, N: tl.constexpr, LOG_N: tl.constexpr):
-    """Walsh-Hadamard (Sylvester order) of y [N] fp32, times scale = N^-1/2, as quant_sim.hadamard."""
-    for i in tl.static_range(LOG_N):
-        h: tl.constexpr = 1 << i
-        t = tl.permute(tl.reshape(y, (N // (2 * h), 2, h)), (0, 2, 1))       # [N/2h, h, 2]
-        a, b = tl.split(t)
-        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (N,))
-    return y * scale
 
 
 @triton.jit
@@ -93,7 +81,7 @@ def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, kst_ptr, sst_ptr, store_ptr, slot_
         if SIM == 1:
             c = tl.where(d < D - R, round_to(fp8_round_trip(c, D, 64), out_ty), c)
         if SIM == 2:
-            c = round_to(fp4_round_trip(round_to(_hadamard(c, hscale, D, LOG_D), out_ty), D, 32), out_ty)
+            c = round_to(fp4_round_trip(round_to(tl.reshape(hadamard_rows(tl.reshape(c, (1, D)), hscale, 1, D, LOG_D), (D,)), out_ty), D, 32), out_ty)
         entry = p // RATIO
         blk = tl.minimum(entry // per_block, n_blocks - 1)
         row = tl.load(table_ptr + b * stride_tab + blk) * per_block + entry % per_block

@@ -88,7 +88,12 @@ class Attention(nn.Module):
 
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """o [...,H,Dh] -> [...,D]: inverse rope at the query position, then grouped wo_a, wo_b."""
-        o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
+        if runs_kernel("rope_q", o) and cos.shape[:-1] == o.shape[:-2]:
+            from ..kernels.rope_q import rope_q
+
+            o = rope_q(o, cos, sin, inverse=True)
+        else:
+            o = apply_rope(o, cos[..., None, :], sin[..., None, :], inverse=True)
         o = o.flatten(-2).unflatten(-1, (self.n_groups, -1))                               # [...,G,H/G*Dh]
         wa = self.wo_a.weight.unflatten(0, (self.n_groups, -1))                              # [G,R,H/G*Dh]
         z = torch.einsum("...gd,grd->...gr", o, wa)

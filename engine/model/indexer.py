@@ -6,6 +6,7 @@ Its keys come from its own overlapping 4:1 compressor at index_head_dim. No soft
 import torch
 from torch import nn
 
+from ..kernels import runs_kernel
 from .compressor import Compressor
 from .config import ModelConfig
 from .kv_cache import entry_loc
@@ -28,9 +29,14 @@ class Indexer(nn.Module):
     def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """-> q [..., H, d] and head weights [..., H] (fp32, scales folded in)."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = apply_rope(q, cos[..., None, :], sin[..., None, :])
-        if self.sim:
-            q = fp4_sim(hadamard(q), 32)
+        if runs_kernel("rope_q", q) and cos.shape[:-1] == q.shape[:-2]:
+            from ..kernels.rope_q import rope_q
+
+            q = rope_q(q, cos, sin, fp4=self.sim)                 # rope, Hadamard, FP4: one kernel
+        else:
+            q = apply_rope(q, cos[..., None, :], sin[..., None, :])
+            if self.sim:
+                q = fp4_sim(hadamard(q), 32)
         w = up(self.weights_proj(x)) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return q, w
 

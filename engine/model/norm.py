@@ -1,6 +1,8 @@
 """RMSNorm: DeepSeek's order (normalise and weight in fp32, then cast)."""
 import torch
 from torch import nn
+
+from ..kernels import runs_kernel
 from .precision import up
 
 
@@ -19,4 +21,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if runs_kernel("rms_norm", x):
+            from ..kernels.rms_norm import rms_norm as kernel
+
+            return kernel(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)

@@ -1,0 +1,66 @@
+"""RoPE on per-head rows, one kernel: the attention output's inverse rotation, and the
+indexer's queries (rotation, then in reference numerics Hadamard and the FP4 round trip).
+
+x [T, H, D] (bf16 or fp32), rotated on its last R dims (interleaved pairs) by the token's
+cos/sin table [T, R/2], rounded to x's dtype as engine.model.rope.apply_rope rounds; with
+`fp4`, each head row is then Hadamard-rotated (rounded) and e2m1-rounded per 32 channels,
+as engine.model.indexer.Indexer.queries does. Replaces ~10 torch ops (apply_rope) or ~35
+(apply_rope + hadamard + fp4_sim) per call. Grid (T, head blocks).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from engine.model.quant_sim import fp4_sim_ref, hadamard
+from engine.model.rope import apply_rope
+from .act_sim import fp4_round_trip, hadamard_rows
+from .mhc_post import round_to
+from .rope_kv import _rope
+
+
+@triton.jit
+def _rope_q_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, H, stride_xt, stride_xh, stride_cs, hscale,
+                   D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr,
+                   FP4: tl.constexpr, LOG_D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = (h < H)[:, None]
+    d = tl.arange(0, D)
+    p = tl.arange(0, D // 2) - (D - R) // 2
+    pm = p >= 0
+    cos = tl.load(cos_ptr + t * stride_cs + p, mask=pm, other=1.0)
+    sin = tl.load(sin_ptr + t * stride_cs + p, mask=pm, other=0.0)
+    if INVERSE:
+        sin = -sin
+    x = tl.load(x_ptr + t * stride_xt + h[:, None] * stride_xh + d[None, :], mask=hm, other=0.0)
+    out_ty = y_ptr.dtype.element_ty
+    y = round_to(_rope(x.to(tl.float32), cos, sin, BLOCK_H, D, R), out_ty)
+    if FP4:
+        y = round_to(hadamard_rows(y, hscale, BLOCK_H, D, LOG_D), out_ty)
+        y = round_to(tl.reshape(fp4_round_trip(tl.reshape(y, (BLOCK_H * D,)), BLOCK_H * D, 32), (BLOCK_H, D)), out_ty)
+    tl.store(y_ptr + (t * H + h[:, None]) * D + d[None, :], y, mask=hm)
+
+
+def rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False, fp4: bool = False,
+           block_h: int = 4) -> torch.Tensor:
+    """x [..., H, D], cos/sin [..., R/2] fp32 (one row per token) -> a new [..., H, D] in x's dtype."""
+    H, D = x.shape[-2:]
+    lead = x.shape[:-2]
+    x3 = x.reshape(-1, H, D)
+    T = x3.shape[0]
+    R = 2 * cos.shape[-1]
+    assert D & (D - 1) == 0 and x3.stride(-1) == 1 and (not fp4 or D % 32 == 0)
+    c2, s2 = cos.reshape(T, -1).float().contiguous(), sin.reshape(T, -1).float().contiguous()
+    y = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+    if T:
+        bh = min(block_h, triton.next_power_of_2(H))
+        _rope_q_kernel[(T, triton.cdiv(H, bh))](x3, y, c2, s2, H, x3.stride(0), x3.stride(1), c2.stride(0),
+                                                 D ** -0.5, D=D, R=R, BLOCK_H=bh, INVERSE=inverse, FP4=fp4,
+                                                 LOG_D=D.bit_length() - 1, num_warps=4)
+    return y.view(*lead, H, D)
+
+
+def rope_q_ref(x, cos, sin, inverse=False, fp4=False, block_h=None):
+    """Torch reference: apply_rope over the heads, then (fp4) Indexer.queries' rounding."""
+    y = apply_rope(x, cos[..., None, :], sin[..., None, :], inverse=inverse)
+    return fp4_sim_ref(hadamard(y), 32) if fp4 else y
