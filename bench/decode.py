@@ -19,6 +19,7 @@ import statistics
 import torch
 
 from engine.cache import KVCache
+from bench.timing import graphed
 from engine.kernels import set_kernels
 from engine.model.config import ModelConfig
 from engine.model.kv_cache import StepContext
@@ -225,16 +226,9 @@ def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
         t_eager = timed(run, reps=10)
         t_graph = None
         if not args.no_graphs:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                run()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                run()
-            t_graph = timed(g.replay, reps=20)
-            del g
+            replay = graphed(run)
+            t_graph = timed(replay, reps=20)
+            del replay
         br = breakdown(run)
     t = t_graph or t_eager
     ar = allreduce_us(B, cfg.n_layers, args.tp) / 1e6

@@ -14,7 +14,7 @@ from .cache import KVCache
 from .runner import ModelRunner
 from .sampler import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence, Status
+from .sequence import Sequence
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 

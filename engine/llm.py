@@ -53,10 +53,13 @@ class LLM:
 
         cfg = ModelConfig.from_file(path)
         numerics = numerics or ("reference" if cfg.fp8_linears else "plain")
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        use_graphs = self.device.type == "cuda" and not enforce_eager
         self.workers, self.tp = None, tp
         if tp > 1:
             self._join_tp(tp, dict(path=str(path), device=str(self.device), dtype=self.dtype, numerics=numerics,
-                                   max_num_seqs=max_num_seqs, timeout=tp_timeout))
+                                   max_num_seqs=max_num_seqs, timeout=tp_timeout, graphs=use_graphs,
+                                   max_model_len=self.max_model_len))
         budget = kv_cache_memory or _default_cache_bytes(self.device)
         num_blocks = KVCache(cfg, max_num_seqs, budget, "meta", self.dtype).num_blocks
         if tp > 1:
@@ -65,21 +68,19 @@ class LLM:
             send_step(num_blocks)
         self.model = load_model(path, device=self.device, dtype=self.dtype, numerics=numerics).prepare_kernels()
         self.tokenizer = Tokenizer.from_dir(path)
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.cache = KVCache(cfg, max_num_seqs, budget, self.device, self.dtype, num_blocks=num_blocks)
         self.engine = EngineCore(self.model, self.tokenizer, self.cache, max_num_seqs, self.max_model_len,
                                  chunk_size, max_waiting)
         if self.workers is not None:
             self.engine.runner.broadcast = self.workers.send
-        if self.device.type == "cuda" and not enforce_eager:
-            if tp > 1:
-                log.warning("CUDA graphs with tp > 1 are not wired yet: running eager")
-            else:
-                from .graphs import DecodeGraphs
+        if use_graphs:
+            # with tp > 1 every rank captures the same buckets at this point (worker.build_rank):
+            # the all-reduces inside the captures meet rank by rank, and replay runs them again
+            from .graphs import DecodeGraphs
 
-                graphs = DecodeGraphs(self.model, self.cache, max_num_seqs, self.max_model_len, self.cache.pad_slot)
-                graphs.capture()
-                self.engine.runner.graphs = graphs
+            graphs = DecodeGraphs(self.model, self.cache, max_num_seqs, self.max_model_len, self.cache.pad_slot)
+            graphs.capture()
+            self.engine.runner.graphs = graphs
         self.model_path, self.numerics, self.max_num_seqs = path, numerics, max_num_seqs
         log.info("model %s on %s (%s, %s numerics): %d cache blocks of %d tokens, %d slots",
                  path, self.device, str(self.dtype).removeprefix("torch."), numerics, self.cache.num_blocks,
@@ -98,8 +99,8 @@ class LLM:
             self.device = worker.rank_device(self.device, rank)
             state.init(rank, size, "env://", self.device, spec["timeout"])
             if rank > 0:
-                model, cache = worker.build_rank(spec, self.device)
-                worker.serve_steps(model, cache, self.device)
+                model, cache, graphs = worker.build_rank(spec, self.device)
+                worker.serve_steps(model, cache, self.device, graphs)
                 state.shutdown()
                 raise SystemExit(0)
         else:

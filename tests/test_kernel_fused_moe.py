@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from conftest import rel_err
+from interp import child_env, patch_interpreter
 from engine.kernels import fused_moe as fm
 from engine.model import formats as F
 
@@ -230,8 +231,7 @@ CHECKS = ["interp_align", "interp_mxfp4", "interp_nvfp4", "interp_uneven", "inte
 @pytest.fixture(scope="module")
 def children():
     """All interpreter checks start at once (they are single-threaded Python) and are awaited per test."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env = {**child_env(), "OMP_NUM_THREADS": "1"}
     procs = {c: subprocess.Popen([sys.executable, __file__, c], cwd=ROOT, env=env, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for c in CHECKS}
     yield procs
@@ -243,18 +243,6 @@ def children():
 def test_interpreter(children, check_name):
     out, _ = children[check_name].communicate(timeout=900)
     assert children[check_name].returncode == 0, out[-12000:]
-
-
-def _patch_interpreter():
-    import triton.runtime.interpreter as interp
-
-    patch_tensor = interp._patch_lang_tensor
-
-    def patched(tensor, scope):               # 1-element arrays as loop bounds (#9171)
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interp._patch_lang_tensor = patched
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -330,5 +318,5 @@ def test_gpu_cuda_graph_replay(fmt, layout, T):
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    _patch_interpreter()
+    patch_interpreter()
     globals()[sys.argv[1]]()

@@ -11,7 +11,6 @@ Tolerances: rel_err (per row, vs the reference's max-abs) <= 1e-4 where both com
 in fp32 (fp32 output), <= 1e-2 for bf16 outputs. GPU (`pytest -m gpu`): real shapes, CUDA graphs.
 """
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from conftest import rel_err
+from interp import patch_interpreter, run_child
 from engine.kernels import bf16_gemm as bg
 from engine.kernels import fp8_gemm as fg
 from engine.model.formats import e8m0_to_float, fp8_block_quant
@@ -163,11 +163,7 @@ def interp_bf16():
 
 
 def _interpret(check_name: str):
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    r = subprocess.run([sys.executable, __file__, check_name], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-8000:]
+    run_child(__file__, check_name)
 
 
 @pytest.mark.parametrize("check_name", ["interp_fp8", "interp_fp8_quant_exact", "interp_workspace",
@@ -189,28 +185,6 @@ def test_plans():
             assert 1 <= p.split.split <= n_kb and (p.split.split - 1) * p.split.kb_per_split < n_kb
             if M == 1:
                 assert p.grid[0] * p.grid[1] * p.grid[2] >= 132, (N, K, p)
-
-
-def _patch_interpreter():
-    """The two interpreter fixes of test_kernel_indexer (same bugs, same patches)."""
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    patch_tensor = interp._patch_lang_tensor
-
-    def patched(tensor, scope):                   # 1-element arrays as loop bounds (#9171)
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    def as_f32(h):                                # bf16 lives as uint16: widen it like the cast path (#11584)
-        if h.dtype.scalar != tl.bfloat16:
-            return h
-        return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    dot = interp.InterpreterBuilder.create_dot
-    interp._patch_lang_tensor = patched
-    interp.InterpreterBuilder.create_dot = lambda self, a, b, *rest: dot(self, as_f32(a), as_f32(b), *rest)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -346,5 +320,5 @@ def test_gpu_mhc_cuda_graph(M):
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    _patch_interpreter()
+    patch_interpreter()
     globals()[sys.argv[1]]()

@@ -7,7 +7,6 @@ loop bounds computed in the kernel fail under numpy >= 2.4 (triton-lang/triton#9
 bf16 tl.dot multiplies the uint16 bit patterns (#11584). GPU (`pytest -m gpu`): real shapes.
 """
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from conftest import rel_err
+from interp import patch_interpreter, run_child
 from engine.kernels import indexer as ix
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,11 +164,7 @@ def interp_fallback():
 
 
 def _interpret(check: str):
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    r = subprocess.run([sys.executable, __file__, check], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-8000:]
+    run_child(__file__, check)
 
 
 @pytest.mark.parametrize("check", ["interp_scores", "interp_topk", "interp_ties", "interp_fallback"])
@@ -178,27 +174,6 @@ def test_interpreter(check):
 
 def test_env_not_leaked():
     assert "TRITON_INTERPRET" not in os.environ
-
-
-def _patch_interpreter():
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    patch_tensor = interp._patch_lang_tensor
-
-    def patched(tensor, scope):                   # 1-element arrays as loop bounds (#9171)
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    def as_f32(h):                                # bf16 lives as uint16: widen it like the cast path (#11584)
-        if h.dtype.scalar != tl.bfloat16:
-            return h
-        return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    dot = interp.InterpreterBuilder.create_dot
-    interp._patch_lang_tensor = patched
-    interp.InterpreterBuilder.create_dot = lambda self, a, b, *rest: dot(self, as_f32(a), as_f32(b), *rest)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -268,5 +243,5 @@ def test_gpu_cuda_graph_replay(T, N):
 
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    _patch_interpreter()
+    patch_interpreter()
     globals()[sys.argv[1]]()

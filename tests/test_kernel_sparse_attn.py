@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import rel_err
+from interp import child_env, patch_interpreter
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -29,50 +30,15 @@ cpu = pytest.mark.skipif(not INTERPRET, reason="runs in the interpreter child (t
 def test_interpreter_suite():
     if INTERPRET:
         pytest.skip("this is the child")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-m", "not gpu"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                       cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-
-
-def _patch_interpreter():
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    base_patch = interp._patch_lang_tensor
-
-    def patch_tensor(tensor, scope):
-        base_patch(tensor, scope)
-        # every interpreter scalar is a 1-element array; numpy >= 2.4 refuses int() of those
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    base_dot = interp.InterpreterBuilder.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        up = lambda x: interp.TensorHandle(
-            interp._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
-        a, b = (up(x) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
-        return base_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    base_cast = interp.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        # fp32 -> bf16 truncates in the interpreter; the GPU (and torch) round to nearest even
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
-            return interp.TensorHandle(bits.numpy().view(np.uint16), tl.bfloat16)
-        return base_cast(self, src, dst_type)
-
-    interp._patch_lang_tensor = patch_tensor
-    interp.InterpreterBuilder.create_dot = create_dot
-    interp.InterpreterBuilder.cast_impl = cast_impl
 
 
 @pytest.fixture(scope="module")
 def interp():
     """The kernel module, its kernels decorated for the interpreter (this is the child)."""
-    _patch_interpreter()
+    patch_interpreter()
     from engine.kernels import sparse_attn
     return sparse_attn
 

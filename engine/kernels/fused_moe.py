@@ -33,7 +33,6 @@ import functools
 import math
 import os
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import triton

@@ -50,6 +50,20 @@ def window_indices(positions: torch.Tensor, window: int) -> torch.Tensor:
     return torch.where(idx >= 0, idx, -1)
 
 
+def window_rows(ctx: StepContext, W: int) -> torch.Tensor:
+    """Decode: each row's window keys as flat rows of the [slots * W, Dh] ring, -1 before 0."""
+    key_pos = ctx.positions[:, :1] - W + 1 + torch.arange(W, device=ctx.positions.device)   # [B,W]
+    return torch.where(key_pos >= 0, ctx.slots[:, None] * W + key_pos % W, -1)
+
+
+def entry_rows(ctx: StepContext, ratio: int, n: int) -> torch.Tensor:
+    """Decode, HCA: every visible entry of each row as flat rows of the pool, -1 past the visible."""
+    pos = ctx.positions[:, 0]
+    ent = torch.arange(n, device=pos.device).expand(len(pos), n)
+    rows = entry_loc(ctx.block_table, ctx.block_tokens, ent, ratio)
+    return torch.where(ent < ((pos + 1) // ratio)[:, None], rows, -1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype=None):
         super().__init__()
@@ -160,8 +174,7 @@ class Attention(nn.Module):
         else:
             q, kv, qr = self.qkv(x, cos, sin)
             cache.window[ctx.slots, pos % W] = kv[:, 0].to(cache.window.dtype)
-        key_pos = pos[:, None] - W + 1 + torch.arange(W, device=x.device)                  # [B,W]
-        idx_a = torch.where(key_pos >= 0, ctx.slots[:, None] * W + key_pos % W, -1)
+        idx_a = ctx.once(("window rows", W), lambda: window_rows(ctx, W))
         kv_b = idx_b = None
         if self.compressor is not None:
             self.compressor.step(x, ctx, cache.kv_state, cache.score_state, cache.kv, self.inv_freq)
@@ -169,9 +182,7 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 idx_b = self.indexer.decode_rows(x, qr, cos, sin, ctx, cache, n, self.inv_freq)
             else:
-                ent = torch.arange(n, device=x.device).expand(len(pos), n)
-                rows = entry_loc(ctx.block_table, ctx.block_tokens, ent, self.ratio)
-                idx_b = torch.where(ent < ((pos + 1) // self.ratio)[:, None], rows, -1)
+                idx_b = ctx.once(("entry rows", self.ratio), lambda: entry_rows(ctx, self.ratio, n))
             kv_b = cache.kv.flatten(0, 1)
         o = sparse_mqa(q[:, 0], cache.window.flatten(0, 1), idx_a, kv_b, idx_b, self.attn_sink, self.scale)
         return self.output(o[:, None], cos, sin)

@@ -128,7 +128,7 @@ class Compressor(nn.Module):
         r = self.ratio
         kv, score = self.project(x, None)
         # rope tables at the entries' positions, shared by every layer of this ratio in the step
-        cos, sin = ctx.cos_sin(f"entry/{r}", inv_freq, positions=ctx.positions // r * r)
+        cos, sin = ctx.cos_sin(f"entry/{r}", inv_freq, entry_ratio=r)
         sim = (SIM_FP4 if self.rotate else SIM_FP8) if self.sim else SIM_NONE
         compress_decode(kv, score, self.ape, kv_state, score_state, store, ctx.slots, ctx.positions,
                         ctx.block_table, ctx.block_tokens, self.norm.weight, cos, sin, self.norm.eps, r, sim)

@@ -79,7 +79,7 @@ class Indexer(nn.Module):
 
         self.compressor.step(x, ctx, cache.idx_kv_state, cache.idx_score_state, cache.idx_k, inv_freq)
         q, w = self.queries(x, qr, cos, sin)
-        visible = (ctx.positions[:, 0] + 1) // self.ratio
+        visible = ctx.once(("visible entries", self.ratio), lambda: (ctx.positions[:, 0] + 1) // self.ratio)
         k = max(1, min(self.topk, n))
         _, rows = indexer_topk(q[:, 0].contiguous(), w[:, 0].contiguous(), cache.idx_k.flatten(0, 1),
                                ctx.block_table, ctx.block_tokens // self.ratio, visible, k, max(n, 1))

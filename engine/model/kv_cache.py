@@ -35,16 +35,24 @@ class StepContext:
     block_tokens: int
     max_len: int                # host int: max over rows of (last position + 1); sizes the gathers
     starts: list[int] | None = None   # host ints, first position per row (prefill only)
-    rope: dict = field(default_factory=dict)   # this step's rotary tables, filled by cos_sin
+    shared: dict = field(default_factory=dict)   # what every layer of this step derives alike
 
-    def cos_sin(self, key: str, inv_freq: torch.Tensor, positions: torch.Tensor | None = None):
-        """cos, sin [B,S,R/2] of this step's positions (or of `positions`), computed once per step
-        and `key`: the layers share two frequency sets (plain, compressed) and the compressors
-        of one ratio share their entries' positions."""
-        if key not in self.rope:
-            from .rope import cos_sin
-            self.rope[key] = cos_sin(self.positions if positions is None else positions, inv_freq)
-        return self.rope[key]
+    def once(self, key, make):
+        """make() the first time this step asks for `key`, the same tensors after: per-step
+        tables (rope angles, window and entry rows) that 43 layers would otherwise rebuild."""
+        if key not in self.shared:
+            self.shared[key] = make()
+        return self.shared[key]
+
+    def cos_sin(self, key: str, inv_freq: torch.Tensor, entry_ratio: int | None = None):
+        """cos, sin [B,S,R/2] at this step's positions (entry_ratio r: at the start of each
+        position's r-token window, where a compressed entry is roped), once per step and `key`:
+        the layers share two frequency sets (plain, compressed), and the compressors of one
+        ratio share their entries' positions."""
+        from .rope import cos_sin
+
+        pos = lambda: self.positions if entry_ratio is None else self.positions // entry_ratio * entry_ratio  # noqa: E731
+        return self.once(("rope", key), lambda: cos_sin(pos(), inv_freq))
 
     @property
     def decode(self) -> bool:

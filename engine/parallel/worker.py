@@ -39,13 +39,13 @@ def recv_step():
     return box[0]
 
 
-def serve_steps(model, cache, device):
-    """Ranks > 0: run steps until rank 0 says stop."""
+def serve_steps(model, cache, device, graphs=None):
+    """Ranks > 0: run steps until rank 0 says stop (decode through this rank's own graphs)."""
     from ..runner import run_step
 
     with torch.inference_mode():
         while (step := recv_step()) is not None:
-            run_step(model, cache, step, device)
+            run_step(model, cache, step, device, graphs)
 
 
 def worker_main(rank: int, size: int, init_method: str, spec: dict):
@@ -54,8 +54,8 @@ def worker_main(rank: int, size: int, init_method: str, spec: dict):
     device = rank_device(torch.device(spec["device"]), rank)
     try:
         state.init(rank, size, init_method, device, spec["timeout"])
-        model, cache = build_rank(spec, device)
-        serve_steps(model, cache, device)
+        model, cache, graphs = build_rank(spec, device)
+        serve_steps(model, cache, device, graphs)
     except Exception:
         log.exception("tensor-parallel rank %d failed", rank)
         raise SystemExit(1)
@@ -64,13 +64,21 @@ def worker_main(rank: int, size: int, init_method: str, spec: dict):
 
 
 def build_rank(spec: dict, device):
+    """-> (model, cache, graphs or None) of this rank. Every rank captures the same buckets in the
+    same order as rank 0 (engine.llm), so the collectives inside the captures meet."""
     from ..cache import KVCache
     from ..model import load_model
 
     num_blocks = recv_step()   # rank 0 sizes the pool; every rank must agree on block ids
     model = load_model(spec["path"], device=device, dtype=spec["dtype"], numerics=spec["numerics"]).prepare_kernels()
     cache = KVCache(model.cfg, spec["max_num_seqs"], 0, device, spec["dtype"], num_blocks=num_blocks)
-    return model, cache
+    graphs = None
+    if device.type == "cuda" and spec.get("graphs"):
+        from ..graphs import DecodeGraphs
+
+        graphs = DecodeGraphs(model, cache, spec["max_num_seqs"], spec["max_model_len"], cache.pad_slot)
+        graphs.capture()
+    return model, cache, graphs
 
 
 class Workers:
