@@ -39,8 +39,9 @@ def test_rerun_on_one_engine_is_identical(tiny_ckpt):
 
 
 @pytest.mark.parametrize("preset,numerics", [("tiny", "plain"), ("tiny", "reference"), ("flash", "plain"),
-                                             ("flash", "reference")])
+                                             ("flash", "reference"), ("nvfp4", "plain")])
 def test_kernels_match_references(tiny_ckpt, preset, numerics):
+    """nvfp4: the experts run the fused MoE on the checkpoint's own NVFP4 codes."""
     r = _both(tiny_ckpt(preset, 0), 300 if preset == "flash" else 60, numerics)
     assert r["mismatch"] is None and r["max_rel_err"] <= r["tol"], r
 

@@ -3,7 +3,8 @@
 A child process (tests/interp.py) runs the engine on CPU on the same prompts three times: torch
 in bf16, torch in fp32, and bf16 with every kernel that runs on CPU on (engine.kernels.
 CPU_INTERPRETED: sparse attention, indexer, mHC mix/pre/post, RoPE + ring write, router, bf16
-GEMM, act_sim), in plain and in reference numerics.
+GEMM, act_sim, compressor, rms_norm, rope_q, and the fused MoE on experts packed as MXFP4 or,
+for the nvfp4 preset, as the checkpoint's own NVFP4 codes), in plain and reference numerics.
 
 Two discrete choices would make any comparison chaotic (a rounding-level difference picks
 another expert or key and the logits jump), so they are held still: the later runs' expert
@@ -33,7 +34,7 @@ def result():
     return json.loads(run_child(__file__, timeout=1500).strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["tiny-plain", "tiny-reference", "flash-plain"])
+@pytest.mark.parametrize("case", ["tiny-plain", "tiny-reference", "flash-plain", "nvfp4-plain"])
 def test_kernels_match_torch(result, case):
     r = result[case]
     print(case, {k: v for k, v in r.items() if k != "tokens"})
@@ -72,9 +73,10 @@ def compare(want, want_logits, got, got_logits, tol=TOL):
     return worst, mismatch
 
 
-def kernels_vs_torch(make_llm, prompts, n=6, kernels="all"):
+def kernels_vs_torch(make_llm, prompts, n=6, kernels="all", prepare=None):
     """Torch bf16 (routing recorded), torch fp32 and `kernels` on in bf16 (routing pinned) ->
-    {max_rel_err, floor, tol, mismatch, pinned, tokens} (see the module docstring)."""
+    {max_rel_err, floor, tol, mismatch, pinned, tokens} (see the module docstring).
+    prepare(llm): what the kernel run does to the loaded model first (CPU: pack the experts)."""
     import torch
     import engine.kernels as K
     import routing_pin
@@ -83,6 +85,8 @@ def kernels_vs_torch(make_llm, prompts, n=6, kernels="all"):
     for which, dtype in (("none", torch.bfloat16), ("none", torch.float32), (kernels, torch.bfloat16)):
         K.set_kernels(which)
         llm = make_llm(dtype)
+        if prepare is not None and which != "none":
+            prepare(llm)
         for layer in llm.model.layers:
             if layer.attn.indexer is not None:
                 layer.attn.indexer.topk = 1 << 20
@@ -100,6 +104,14 @@ def kernels_vs_torch(make_llm, prompts, n=6, kernels="all"):
                 tokens=[runs[0][0], runs[2][0]])
 
 
+def pack_experts(llm):
+    from engine.model.moe import Experts
+
+    for m in llm.model.modules():
+        if isinstance(m, Experts):
+            assert m.pack(), "experts did not pack"
+
+
 def _child():
     from interp import patch_interpreter
     patch_interpreter()
@@ -111,13 +123,16 @@ def _child():
     K.CPU_INTERPRETED = True
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for case, lens in (("tiny-plain", (30, 11, 5)), ("tiny-reference", (30, 11, 5)), ("flash-plain", (44, 9))):
+        for case, lens in (("tiny-plain", (30, 11, 5)), ("tiny-reference", (30, 11, 5)), ("flash-plain", (44, 9)),
+                           ("nvfp4-plain", (20, 7))):
             preset, numerics = case.split("-")
             path = make_tiny(f"{tmp}/{case}", preset=preset, seed=0)
             g = torch.Generator().manual_seed(1)
             prompts = [torch.randint(2, 129280, (m,), generator=g).tolist() for m in lens]
+            # the fused MoE needs the packed experts, which prepare_kernels makes only on CUDA
             out[case] = kernels_vs_torch(lambda dtype: LLM(path, device="cpu", dtype=dtype, numerics=numerics,
-                                                           max_model_len=512), prompts, n=4)
+                                                           max_model_len=512), prompts, n=4 if preset != "nvfp4" else 3,
+                                         prepare=pack_experts)
     print(json.dumps(out))
 
 

@@ -368,3 +368,52 @@ def test_engine_greedy_tokens_match_mxfp4_source(tiny_ckpt, tiny):
                   kv_cache_memory=64 << 20)
         outs.append(llm.generate([prompt], greedy)[0].token_ids)
     assert outs[0] == outs[1] and len(outs[0]) == 8
+
+
+# ----------------------------------------------------------------------------- packing for the fused MoE kernel
+
+
+def test_experts_pack_rederives_the_checkpoint_codes(tiny_ckpt):
+    """The NVFP4 checkpoint's experts, packed for the kernel (its own codes and scales, kept by
+    the loader), decode to exactly the checkpoint's values, for an fp32 and a bf16 model."""
+    from engine.kernels.fused_moe import dequant_experts
+
+    path = tiny_ckpt("nvfp4", 0)
+    ckpt = Checkpoint(path)
+    exact, held16 = load_model(path), load_model(path, dtype=torch.bfloat16)
+    for i, (a, b) in enumerate(zip(exact.layers, held16.layers)):
+        ea, eb = a.ffn.experts, b.ffn.experts
+        codes = ckpt.get(f"layers.{i}.ffn.experts.1.w2.weight")
+        assert ea.nvfp4_parts is not None and torch.equal(ea.nvfp4_parts[2][0][1], codes)
+        want = (ea.w1.clone(), ea.w3.clone(), ea.w2.clone())
+        assert ea.pack() and eb.pack() and ea.packed.fmt == eb.packed.fmt == "nvfp4"
+        assert ea.nvfp4_parts is None and ea.w1 is None
+        for got in (dequant_experts(ea.packed), dequant_experts(eb.packed)):
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+    mtp = exact.mtp[0].ffn.experts                 # MXFP4 in this checkpoint: packed as MXFP4
+    assert mtp.nvfp4_parts is None and mtp.pack() and mtp.packed.fmt == "mxfp4"
+
+
+def test_experts_pack_refuses_weights_off_the_grid(tiny_ckpt):
+    model = load_model(tiny_ckpt("nvfp4", 0))
+    experts = model.layers[0].ffn.experts
+    with torch.no_grad():
+        experts.w2[3, 5, 7] *= 1.001                # no longer an NVFP4 value of its block
+    assert not experts.pack() and experts.packed is None and experts.w2 is not None
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_nvfp4_codes_kept_per_tensor_parallel_rank(tiny_ckpt, tp):
+    """Each rank keeps the codes of its own slice of every expert (w1/w3 rows, w2 columns): they
+    decode to exactly the weights it holds (what Experts.pack checks before it packs them)."""
+    from engine.parallel import state
+
+    try:
+        for rank in range(tp):
+            state.simulate(rank, tp)
+            experts = load_model(tiny_ckpt("nvfp4", 0)).layers[1].ffn.experts
+            assert experts.w1.shape[1] == 128 // tp and experts.w2.shape[2] == 128 // tp
+            for parts, w in zip(experts.nvfp4_parts, (experts.w1, experts.w3, experts.w2)):
+                assert all(torch.equal(F.nvfp4_dequant(*(t[e] for t in parts)), w[e]) for e in range(w.shape[0]))
+    finally:
+        state.shutdown()

@@ -225,6 +225,17 @@ class _Filler:
         self.params.update(model.named_buffers(remove_duplicate=False))
         self.params = {k: v for k, v in self.params.items() if not k.endswith("inv_freq")}
         self.done: set = set()
+        self.nvfp4_parts: dict = {}   # experts module -> {(expert, "w1"|"w2"|"w3"): (codes, scales, global)}
+
+    def attach_nvfp4_parts(self, model: Transformer):
+        """Hand each Experts module whose every projection is NVFP4 the checkpoint's own codes and
+        scales (this rank's slices), stacked per projection, for Experts.pack."""
+        for prefix, got in self.nvfp4_parts.items():
+            experts = model.get_submodule(prefix)
+            E = experts.w1.shape[0]
+            if len(got) == 3 * E:
+                experts.nvfp4_parts = [tuple(torch.stack([got[e, w][i] for e in range(E)]) for i in range(3))
+                                       for w in ("w1", "w3", "w2")]
 
     def put(self, target: str, value: torch.Tensor, src: str, index: int | None = None):
         if target not in self.params:
@@ -295,6 +306,7 @@ def load_model(path: str | Path, device="cpu", dtype=torch.float32, numerics: st
             continue
         _load_tensor(ckpt, name, off, filler, device)
     filler.check_complete()
+    filler.attach_nvfp4_parts(model)
     nvfp4.report()
     return model.set_numerics(numerics).eval()
 
@@ -312,10 +324,21 @@ class _View:
 def _load_tensor(ckpt: Checkpoint, name: str, off: str, filler: _Filler, device):
     """Checkpoint tensor `name`, known by its official name `off`, into its parameter
     (this rank's shard of it under tensor parallelism)."""
-    value = read_shard(ckpt, name, off, tp_rank(), tp_size(), lambda get: _dequant(_View(ckpt, get), name))
-    value = value.to(device)
-    if m := _EXPERT.match(off):
+    m = _EXPERT.match(off)
+    base = name[: -len(".weight")]
+    raw = []
+
+    def dequant(get):
+        w = _dequant(_View(ckpt, get), name)           # validates the parts first
+        if m and base + ".weight_scale_2" in ckpt:   # NVFP4 expert: keep this rank's codes for the kernel
+            raw.append(tuple(get(p) for p in (name, base + ".weight_scale", base + ".weight_scale_2")))
+        return w
+
+    value = read_shard(ckpt, name, off, tp_rank(), tp_size(), dequant).to(device)
+    if m:
         filler.put(f"{m[1]}.{m[3]}", value, name, int(m[2]))
+        if raw:
+            filler.nvfp4_parts.setdefault(m[1], {})[(int(m[2]), m[3])] = tuple(t.to(device) for t in raw[0])
     elif off.endswith(".ffn.experts.gate_up_proj"):  # transformers' merged [E, 2*I, D]
         if value.dim() != 3 or value.shape[1] % 2:
             raise CheckpointError(f"tensor {name}: shape {tuple(value.shape)} is not [E, 2*I, D]")

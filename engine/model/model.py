@@ -1,4 +1,5 @@
 """The whole network: embedding -> 4 identical streams -> blocks -> hc_head -> norm -> head."""
+import logging
 from functools import partial
 
 import torch
@@ -16,6 +17,7 @@ from .norm import RMSNorm
 from .precision import up
 
 NUMERICS = ("plain", "reference")
+log = logging.getLogger(__name__)
 
 
 class Transformer(nn.Module):
@@ -72,10 +74,11 @@ class Transformer(nn.Module):
             return self
         if use_kernel("fp8_gemm"):
             self.pack_fp8()
-        if use_kernel("fused_moe") and self.cfg.expert_dtype == "fp4" and self.cfg.dim % 128 == 0:
-            for m in self.modules():
+        if use_kernel("fused_moe") and self.cfg.expert_dtype in ("fp4", "nvfp4") and self.cfg.dim % 128 == 0:
+            for name, m in self.named_modules():
                 if isinstance(m, Experts) and m.w1.shape[1] % 128 == 0:
-                    m.pack()
+                    if not m.pack():
+                        log.warning("%s: packed expert codes do not reproduce the weights: torch path", name)
                     torch.cuda.empty_cache()
         return self
 

@@ -82,20 +82,33 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, D, I, dtype=dtype), requires_grad=False)
         self.act_sim = False
         self.packed = None    # engine.kernels.fused_moe.PackedExperts once pack() ran
+        self.nvfp4_parts = None    # [(codes, scales, globals) of w1, w3, w2] when loaded from NVFP4
 
-    def pack(self):
-        """Hold the experts as MXFP4 in the fused MoE kernel's layout; the dequantised weights are
-        dropped. Exact for weights loaded from MXFP4: re-deriving a block's power-of-two scale
-        only ever halves it while the codes double, which stays on the e2m1 grid."""
+    def pack(self) -> bool:
+        """Hold the experts in the fused MoE kernel's layout and drop the dequantised weights ->
+        False (nothing changed) where the packed codes would not reproduce the held weights.
+
+        NVFP4 experts pack the checkpoint's own codes and scales (kept by the loader). MXFP4
+        codes are re-derived from the weights, which is exact for weights loaded from MXFP4:
+        re-deriving a block's power-of-two scale only ever halves it while the codes double,
+        which stays on the e2m1 grid. Every expert is checked by dequantising what is packed."""
         from ..kernels.fused_moe import pack_experts
-        from .formats import mxfp4_quant
+        from .formats import mxfp4_dequant, mxfp4_quant, nvfp4_dequant
 
-        def quant(w):   # [E,out,in] -> (codes [E,out,in/2], scales [E,out,in/32])
-            parts = [mxfp4_quant(w[e].float()) for e in range(w.shape[0])]
-            return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
-
-        self.packed = pack_experts(quant(self.w1), quant(self.w3), quant(self.w2), "mxfp4")
-        self.w1 = self.w2 = self.w3 = None
+        held = (self.w1, self.w3, self.w2)
+        if self.nvfp4_parts is not None:
+            projs, fmt, dequant = self.nvfp4_parts, "nvfp4", nvfp4_dequant
+        else:
+            def quant(w):   # [E,out,in] -> (codes [E,out,in/2], scales [E,out,in/32])
+                parts = [mxfp4_quant(w[e].float()) for e in range(w.shape[0])]
+                return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+            projs, fmt, dequant = [quant(w) for w in held], "mxfp4", mxfp4_dequant
+        for parts, w in zip(projs, held):
+            if not all(torch.equal(dequant(*(t[e] for t in parts)).to(w.dtype), w[e]) for e in range(w.shape[0])):
+                return False
+        self.packed = pack_experts(*projs, fmt)
+        self.w1 = self.w2 = self.w3 = self.nvfp4_parts = None
+        return True
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Torch reference: x [T,D], weights/idx [T,k] -> sum_k w * expert_k(x) [T,D] fp32.
@@ -106,7 +119,7 @@ class Experts(nn.Module):
         if self.packed is not None:
             from ..kernels.fused_moe import fused_moe, fused_moe_ref
 
-            moe = fused_moe if x.is_cuda and use_kernel("fused_moe") else fused_moe_ref
+            moe = fused_moe if runs_kernel("fused_moe", x) else fused_moe_ref
             # W4A16: in reference numerics only the input gets DeepSeek's FP8 rounding here
             return up(moe(fp8_sim(x, 128) if self.act_sim else x, weights, idx, self.packed, self.limit))
         if x.is_cuda:
