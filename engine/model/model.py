@@ -80,6 +80,9 @@ class Transformer(nn.Module):
                     if not m.pack():
                         log.warning("%s: packed expert codes do not reproduce the weights: torch path", name)
                     torch.cuda.empty_cache()
+        for m in self.modules():   # NVFP4 codes the loader kept but no kernel took: free them
+            if isinstance(m, Experts) and m.packed is None:
+                m.nvfp4_parts = None
         return self
 
     def hidden(self, input_ids: torch.Tensor, attn_fns=None) -> torch.Tensor:
