@@ -11,7 +11,7 @@ import torch
 
 from .model.config import ModelConfig
 from .model.kv_cache import LayerCache
-from .model.precision import up_dtype
+from .numerics import up_dtype
 
 
 def default_block_tokens(cfg: ModelConfig) -> int:

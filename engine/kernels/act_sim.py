@@ -1,4 +1,4 @@
-"""DeepSeek's quantise-dequantise round trips (engine.model.quant_sim) in one kernel each.
+"""DeepSeek's quantise-dequantise round trips (engine.numerics) in one kernel each.
 
 fp8_sim: e4m3 per `block` channels (before every FP8/FP4 GEMM in reference numerics, and the
 KV cache's non-rope dims). fp4_sim: e2m1 per 32 channels (the indexer's queries and keys).
@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.quant_sim import fp4_sim_ref, fp8_sim_ref  # noqa: F401 (the references)
-from .mhc_post import round_to
+from engine.numerics import fp4_sim_ref, fp8_sim_ref  # noqa: F401 (the references)
+from .common import round_to
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def fp4_round_trip(y, N: tl.constexpr, FB: tl.constexpr):
 @triton.jit
 def hadamard_rows(y, scale, M: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
     """Walsh-Hadamard (Sylvester order) of each row of y [M, N] fp32, times scale = N^-1/2: the
-    butterfly of quant_sim.hadamard, adding and subtracting in its order (bit-exact in fp32)."""
+    butterfly of numerics.hadamard, adding and subtracting in its order (bit-exact in fp32)."""
     for i in tl.static_range(LOG_N):                       # stage i pairs channels 2^i apart
         t = tl.permute(tl.reshape(y, (M, N >> (i + 1), 2, 1 << i)), (0, 1, 3, 2))   # [M, N/2h, h, 2]
         a, b = tl.split(t)

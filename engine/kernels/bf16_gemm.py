@@ -1,6 +1,6 @@
 """bf16 tensor-core GEMMs for what the reference computes in fp32 on inputs that are bf16 already.
 
-- mhc_mix: the mHC projection (spec §3.2 step 2, engine.model.mhc._mix) for hc_pre and hc_head:
+- mhc_mix: the mHC projection (spec §3.2 step 2, mhc_mix_ref, the model's _mix) for hc_pre and hc_head:
   h [M, hc*D = 16384] bf16 @ fn^T [16384, 24 (or 4)] -> fp32 [M, 24], times rsqrt(mean(h^2) + eps).
   The sum of squares is taken from the same h tiles in the same K loop, so h is read once. Skinny N
   and long K leave one output tile: split-K spreads K over the SMs (fp8_gemm's workspace and tickets).
@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.mhc import _mix
-from .fp8_gemm import SplitPlan, get_workspace, num_sms, plan_split, splitk_arrive, splitk_reset, splitk_total
-from .mhc_post import round_to
+from engine.numerics import up
+from .common import SplitPlan, get_workspace, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
 
 
 @triton.jit
@@ -165,8 +164,10 @@ def mhc_mix_need(M, N, K, device=None, **plan_kw):
 
 
 def mhc_mix_ref(h, fn, norm_eps=1e-6, out=None, **_):
-    """Torch reference: engine.model.mhc._mix (fp32) with the fp32 fn."""
-    y = _mix(h, fn, norm_eps)
+    """Torch reference, and the model's mHC mix (engine.model.mhc imports it): fn applied to the
+    unweighted-RMS-normalised flat streams, fp32 (fp64 in an fp64 model): [B,S,hc,D] -> [B,S,mix]."""
+    xf = up(h.flatten(-2))
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps) @ fn.to(xf.dtype).t()
     return out.copy_(y) if out is not None else y
 
 

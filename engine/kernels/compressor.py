@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .act_sim import fp4_round_trip, fp8_round_trip, hadamard_rows
-from .mhc_post import round_to
+from .common import round_to
 from .rope_kv import _rope
 
 SIM_NONE, SIM_FP8, SIM_FP4 = 0, 1, 2

@@ -13,10 +13,8 @@ Small M (decode) leaves most SMs idle with one program per output tile, so the K
 over programs (split-K). Each split writes its fp32 partial to a fixed workspace and takes a ticket;
 the tile's last split sums all partials in split order (deterministic) and stores y, then resets the
 ticket. One launch, no allocation with a preallocated workspace, no host sync: CUDA-graph safe.
-The split-K pieces (SplitKWorkspace, plan_split, the two jit helpers) are shared with bf16_gemm.
+The split-K pieces (SplitKWorkspace, plan_split, the jit helpers) live in kernels/common.py.
 """
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,118 +22,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.model.formats import fp8_block_dequant
-from engine.model.quant_sim import fp8_sim_ref as fp8_sim
-from .mhc_post import round_to
+from engine.numerics import fp8_block_dequant, fp8_sim_ref as fp8_sim
+# The split-K pieces live in common (shared with bf16_gemm); re-exported for the tests and bench.
+from .common import (MAX_SPLIT, SplitKWorkspace, SplitPlan, get_workspace, interpreting,  # noqa: F401
+                     num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total)
 
 QBLOCK = 128                      # weight scale block and activation quant block
-MAX_SPLIT = 64                    # the last split sums the partials serially: keep that tail short
 _QB = tl.constexpr(QBLOCK)
 _E8M0_MIN = tl.constexpr(2.0 ** -127)  # E8M0 byte 0: an fp32 subnormal the exponent-bits trick cannot build
-
-
-def num_sms(device=None) -> int:
-    """SMs to fill (device None: the current CUDA device if any); off-GPU an H100/H200's 132, so
-    interpreter runs take the plans the GPU takes."""
-    device = torch.device(device) if device is not None else None
-    if device is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device is None or device.type != "cuda":
-        return 132
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-# ----------------------------------------------------------------------------- split-K (shared)
-
-@dataclass(frozen=True)
-class SplitPlan:
-    split: int              # programs along K per output tile
-    kb_per_split: int       # K blocks each split owns (the last may own fewer)
-
-
-def plan_split(tiles: int, n_kb: int, sms: int, split_k=None) -> SplitPlan:
-    """Enough programs for ~2 per SM, never an empty split. `split_k` forces a count (tests, tuning)."""
-    want = split_k if split_k is not None else max(1, (2 * sms) // max(tiles, 1))
-    want = max(1, min(want, n_kb, MAX_SPLIT))
-    per = triton.cdiv(n_kb, want)
-    return SplitPlan(triton.cdiv(n_kb, per), per)
-
-
-class SplitKWorkspace:
-    """fp32 partials and int32 tickets for split-K GEMMs; one per stream, reused by every GEMM on it.
-
-    Tickets start at zero and every kernel leaves them at zero, so launches on one stream may share it.
-    """
-
-    def __init__(self, partial_numel: int, n_tickets: int, device):
-        self.partials = torch.empty(max(partial_numel, 1), dtype=torch.float32, device=device)
-        self.tickets = torch.zeros(max(n_tickets, 1), dtype=torch.int32, device=device)
-
-    def check(self, partial_numel: int, n_tickets: int):
-        if partial_numel > self.partials.numel() or n_tickets > self.tickets.numel():
-            raise ValueError(f"split-K workspace too small: need {partial_numel} partials and {n_tickets} "
-                             f"tickets, have {self.partials.numel()} and {self.tickets.numel()}")
-
-    @classmethod
-    def sized_for(cls, needs, device):
-        """needs: iterable of (partial_numel, n_tickets), e.g. from fp8_gemm_need over the decode buckets."""
-        needs = list(needs)
-        return cls(max((n for n, _ in needs), default=1), max((t for _, t in needs), default=1), device)
-
-
-_shared: dict = {}      # device -> the SplitKWorkspace GEMMs use when none is passed
-
-
-def get_workspace(workspace, partial_numel, n_tickets, device):
-    """The given workspace, or the device's shared one, grown to fit. Kernels on one stream run
-    one after another and leave the tickets at zero, so all of them can share it. It only grows
-    outside a CUDA-graph capture: the eager warm-up before a capture sizes it for that step."""
-    if workspace is None:
-        ws = _shared.get(device)
-        if ws is None or partial_numel > ws.partials.numel() or n_tickets > ws.tickets.numel():
-            if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("split-K workspace must grow inside a graph capture: run the step eagerly first")
-            old = (ws.partials.numel(), ws.tickets.numel()) if ws is not None else (0, 0)
-            ws = _shared[device] = SplitKWorkspace(max(partial_numel, old[0]), max(n_tickets, old[1]), device)
-        return ws
-    workspace.check(partial_numel, n_tickets)
-    return workspace
-
-
-@triton.jit
-def splitk_arrive(acc, part_ptr, offs, mask, ticket_ptr, n_split):
-    """Store this split's fp32 partial, take the tile's ticket -> True for the tile's last split."""
-    tl.store(part_ptr + offs, acc, mask=mask)
-    tl.debug_barrier()                             # every thread's partial is out before the release
-    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-    return ticket == n_split - 1
-
-
-@triton.jit
-def splitk_total(part_ptr, offs, mask, slot, n_split):
-    """Sum a tile's partials (any shape, like offs) in split order: the same bits whichever split
-    came last. Called by the last split only, after splitk_arrive said so."""
-    tl.debug_barrier()
-    total = tl.zeros(offs.shape, tl.float32)
-    for s in range(n_split):
-        # .cg: read at L2, where the other SMs' partials landed, never a stale L1 line
-        total += tl.load(part_ptr + s * slot + offs, mask=mask, other=0.0, cache_modifier=".cg")
-    return total
-
-
-@triton.jit
-def splitk_reset(ticket_ptr):
-    """The last split leaves the ticket at zero for the next GEMM (or graph replay) on the stream."""
-    tl.store(ticket_ptr, 0)
 
 
 # ----------------------------------------------------------------------------- activation quant

@@ -31,14 +31,15 @@ Under TRITON_INTERPRET=1 (CPU tests) the decode runs in plain Triton ops and the
 """
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.model.formats import E2M1_VALUES
+from engine.numerics import E2M1_VALUES, up, up_dtype
+from .common import interpreting, num_sms, scratch
 
 BM_CHOICES = (16, 32, 64)    # routed rows per block (the wgmma N); 16 is the instruction minimum
 ALIGN_MAX = 4096             # pairs the one-program align kernel sorts in registers; more -> torch
@@ -447,13 +448,6 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, TOPK: tl.constexpr, BT: tl.con
 
 # ----------------------------------------------------------------------------- host side
 
-@functools.lru_cache(maxsize=None)
-def _n_sm(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4                   # interpreter: a few "SMs" so small tests still take the split path
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def moe_config(T: int, k: int, E: int, I: int, D: int, n_sm: int) -> tuple[int, int]:
     """(BLOCK_M, K splits of the gate/up GEMM) from shapes only, so a captured graph stays valid."""
     n = T * k
@@ -465,17 +459,9 @@ def moe_config(T: int, k: int, E: int, I: int, D: int, n_sm: int) -> tuple[int, 
     return bm, split
 
 
-_COUNTERS: dict = {}
-
-
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     """Split-K tickets, zero at rest (the kernel re-arms them); grown only outside graph capture."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fused_moe: run this batch shape once before CUDA-graph capture")
-        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
+    return scratch("fused_moe.tickets", device, n, torch.int32, zero=True, min_numel=4096)
 
 
 def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0,
@@ -486,8 +472,8 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     k, E, I = topk_ids.shape[1], packed.E, packed.I
     if D != packed.D or x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"x must be [T, {packed.D}] bf16/fp32, got {tuple(x.shape)} {x.dtype}")
-    emu = os.environ.get("TRITON_INTERPRET") == "1"   # CPU tests: plain ops, fp32 math
-    bm, split = moe_config(T, k, E, I, D, _n_sm(x.device))
+    emu = interpreting()                              # CPU tests: plain ops, fp32 math
+    bm, split = moe_config(T, k, E, I, D, num_sms(x.device, cpu=4))  # CPU: 4, so small tests split
     bm, split = block_m or bm, split_k or split
     kt_per = math.ceil((D // 128) / split)
     split = math.ceil((D // 128) / kt_per)
@@ -515,16 +501,84 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
 
 
 def fused_moe_ref(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0, weights=None):
-    """Experts.forward (engine/model/moe.py) on the dequantized experts, in x's dtype; ids outside
-    [0, E) count as weight 0. weights: dequant_experts(packed), if at hand (cached on CPU)."""
-    from engine.model.moe import Experts
+    """experts_ref (the model's Experts.forward math) on the dequantized experts, in x's dtype; ids
+    outside [0, E) count as weight 0. weights: dequant_experts(packed), if at hand (cached on CPU)."""
     if weights is None:
         weights = getattr(packed, "_dequant", None) or dequant_experts(packed)
         if not x.is_cuda:
             packed._dequant = weights         # the CPU model calls this every step
-    mod = Experts.__new__(Experts)
-    torch.nn.Module.__init__(mod)
-    mod.w1, mod.w3, mod.w2 = (w.to(x.dtype) for w in weights)
-    mod.limit, mod.act_sim, mod.packed = swiglu_limit, False, None
+    w1, w3, w2 = (w.to(x.dtype) for w in weights)
     live = (topk_ids >= 0) & (topk_ids < packed.E)
-    return mod(x, torch.where(live, topk_weights, 0.0), torch.where(live, topk_ids, 0))
+    return experts_ref(x, torch.where(live, topk_weights, 0.0), torch.where(live, topk_ids, 0), w1, w3, w2,
+                       swiglu_limit)
+
+
+# ----------------------------------------------------------------------------- torch math (the model's too)
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """SwiGLU with the gate clamped above and the up projection clamped both ways at limit (0: none)."""
+    g, u = up(g), up(u)
+    if limit > 0:
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return F.silu(g) * u
+
+
+def _same(a: torch.Tensor) -> torch.Tensor:
+    return a
+
+
+def experts_ref(x, weights, idx, w1, w3, w2, limit: float, act_round=None) -> torch.Tensor:
+    """Routed experts in torch: x [T,D], weights/idx [T,k], w1/w3 [E,I,D], w2 [E,D,I]
+    -> sum_k w * expert_k(x) [T,D] fp32 (fp64 for an fp64 x). The model's Experts.forward.
+
+    act_round: None, or the round trip applied to the experts' input and to the intermediate
+    (reference numerics: FP8 per 128 channels; the caller picks kernel or torch for it).
+    On CPU it loops over the experts that have tokens (host sync): the oracle, not the decode
+    path. On CUDA it gathers (fewer pairs than experts) or runs every expert densely: fixed
+    shapes, no host sync, so a CUDA graph can capture it."""
+    rnd = act_round or _same
+    if x.is_cuda:
+        if idx.numel() < w1.shape[0]:
+            return _experts_gathered(x, weights, idx, w1, w3, w2, limit, rnd)
+        return _experts_dense(x, weights, idx, w1, w3, w2, limit, rnd)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=up_dtype(x.dtype), device=x.device)
+    xs = rnd(x)
+    flat = idx.flatten()
+    order = flat.argsort()
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel = order[start:start + n]
+        start += n
+        tok = sel // idx.shape[1]
+        xe = xs[tok]
+        a = swiglu(F.linear(xe, w1[e]), F.linear(xe, w3[e]), limit)
+        a = rnd((a * weights.flatten()[sel, None]).to(x.dtype))
+        out.index_add_(0, tok, up(F.linear(a, w2[e])))
+    return out
+
+
+def _experts_gathered(x, weights, idx, w1, w3, w2, limit, rnd):
+    """Small batches: gather the routed experts' weights per (token, slot) and batch the
+    matmuls: reads only the experts touched, fixed shapes, no host sync."""
+    T, k = idx.shape
+    xs = rnd(x)[:, None, :, None].expand(T, k, -1, 1)                                    # [T,k,D,1]
+    e = idx.flatten()
+    g = (w1[e].unflatten(0, (T, k)) @ xs)[..., 0]                                        # [T,k,I]
+    u = (w3[e].unflatten(0, (T, k)) @ xs)[..., 0]
+    a = rnd((swiglu(g, u, limit) * weights[..., None]).to(x.dtype))
+    y = (w2[e].unflatten(0, (T, k)) @ a[..., None])[..., 0]                              # [T,k,D]
+    return up(y).sum(1)
+
+
+def _experts_dense(x, weights, idx, w1, w3, w2, limit, rnd):
+    """Every expert on every token, weighted 0 where not routed: fixed shapes, no host
+    sync. Only for small models and tests; the fused MoE kernel is the real path."""
+    E = w1.shape[0]
+    dense = torch.zeros(x.shape[0], E, dtype=weights.dtype, device=x.device).scatter_add_(1, idx, weights)
+    xs = rnd(x)
+    a = swiglu(torch.einsum("td,eid->tei", xs, w1), torch.einsum("td,eid->tei", xs, w3), limit)
+    a = rnd((a * dense[..., None]).to(x.dtype))
+    return up(torch.einsum("tei,edi->td", a, w2))

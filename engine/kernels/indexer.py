@@ -14,15 +14,12 @@ One op, two launches:
 Shapes are fixed per bucket (T, max_entries, topk are host ints) and nothing syncs with the host,
 so the op is CUDA-graph safe with the preallocated outputs and score buffer.
 """
-import functools
-from types import SimpleNamespace
-
 import torch
 import triton
 import triton.language as tl
 
-from engine.model.indexer import Indexer
-from engine.model.kv_cache import entry_loc
+from engine.numerics import up
+from .common import entry_loc, num_sms
 
 BLOCK_N = 64                 # keys per tile: the M of the [BLOCK_N, d] x [d, H] dot
 RUN_TILES = 16               # most key tiles one score program walks
@@ -106,12 +103,6 @@ def _topk_kernel(s_ptr, bt_ptr, nv_ptr, ids_ptr, loc_ptr, N, K, per_block, max_b
     tl.store(loc_ptr + t * stride_lt + rest, tl.full([BLOCK_K], -1, tl.int32), mask=none)
 
 
-@functools.lru_cache(maxsize=None)
-def _n_sm(device: torch.device) -> int:
-    # The interpreter runs on CPU tensors: pretend a few SMs so the split path is exercised.
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def indexer_scores(q, w, idx_k_store, block_table, per_block: int, n_visible, max_entries: int,
                    out=None, n_split: int | None = None) -> torch.Tensor:
     """q [T,H,d] bf16, w [T,H] fp32, idx_k_store [rows,d] bf16, block_table [T,max_blocks] int,
@@ -124,7 +115,7 @@ def indexer_scores(q, w, idx_k_store, block_table, per_block: int, n_visible, ma
     if n_split is None:
         # At least ~4 programs per SM, and runs of at most RUN_TILES tiles so the last wave is short;
         # each run loads its q tile once.
-        n_split = min(n_tiles, max(triton.cdiv(4 * _n_sm(q.device), T), triton.cdiv(n_tiles, RUN_TILES)))
+        n_split = min(n_tiles, max(triton.cdiv(4 * num_sms(q.device, cpu=4), T), triton.cdiv(n_tiles, RUN_TILES)))
     per_prog = triton.cdiv(n_tiles, n_split)
     grid = (T, triton.cdiv(n_tiles, per_prog))
     _score_kernel[grid](q, w, idx_k_store, block_table, n_visible, out,
@@ -170,22 +161,39 @@ def indexer_topk(q, w, idx_k_store, block_table, per_block: int, n_visible, topk
 
 
 # ---------------------------------------------------------------------------------------------------
-# Torch reference: the model's own indexer math (Indexer.scores / Indexer.select, entry_loc).
+# Torch reference: the indexer math, which the model's Indexer.scores / Indexer.select also call.
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q [B,S,H,d], w [B,S,H], keys [B,N,d] -> [B,S,N] fp32: sum_h w * relu(q . k)."""
+    s = torch.einsum("bshd,bnd->bshn", up(q), up(keys)).relu()
+    return (s * w[..., None]).sum(dim=2)
+
+
+def index_select(scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk: int) -> torch.Tensor:
+    """Causal top-k: scores [B,S,N], positions [S] or [B,S] -> entry ids [B,S,k], -1 where none;
+    entries s < (position + 1) // ratio are visible."""
+    n = scores.shape[-1]
+    k = min(topk, n)
+    visible = ((positions + 1) // ratio)[..., None]                    # entries s < visible[t]
+    future = torch.arange(n, device=scores.device) >= visible          # [(B,)S,N]
+    idx = scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
+    return torch.where(idx < visible, idx, -1)
+
 
 def indexer_scores_ref(q, w, idx_k_store, block_table, per_block: int, n_visible, max_entries: int):
     """-> scores [T, max_entries] fp32, -inf where s >= n_visible[t]."""
     T = q.shape[0]
     ent = torch.arange(max_entries, device=q.device).expand(T, max_entries)
     keys = idx_k_store[entry_loc(block_table.long(), per_block, ent, 1)]            # [T,N,d]
-    s = Indexer.scores(q[:, None], w[:, None], keys)[:, 0]                           # [T,N]
+    s = index_scores(q[:, None], w[:, None], keys)[:, 0]                             # [T,N]
     return s.masked_fill(ent >= n_visible[:, None], float("-inf"))
 
 
 def indexer_topk_ref(q, w, idx_k_store, block_table, per_block: int, n_visible, topk: int, max_entries: int):
     """-> ids [T, topk] int64 (score order, -1 where none), loc [T, topk] int64, scores [T, max_entries]."""
     scores = indexer_scores_ref(q, w, idx_k_store, block_table, per_block, n_visible, max_entries)
-    # select() reads entries s < (position + 1) // ratio as visible: ratio 1, position n_visible - 1.
-    sel = Indexer.select(SimpleNamespace(topk=topk, ratio=1), scores[:, None], (n_visible.long() - 1)[:, None])[:, 0]
+    # index_select reads entries s < (position + 1) // ratio as visible: ratio 1, position n_visible - 1.
+    sel = index_select(scores[:, None], (n_visible.long() - 1)[:, None], 1, topk)[:, 0]
     ids = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
     ids[:, :sel.shape[1]] = sel
     loc = entry_loc(block_table.long(), per_block, ids.clamp(min=0), 1)

@@ -1,28 +1,16 @@
 """mHC post: expand a sub-layer output back to the streams and mix in the residual, one kernel.
 
 out[k] = post[k] * f + sum_j comb[j, k] * res[j], fp32 math, stored in res's dtype. Replaces
-engine.model.mhc.hc_post (a broadcast multiply, a batched matmul, an add and a cast).
+the torch hc_post, mhc_post_ref below (a broadcast multiply, a batched matmul, an add and a cast).
 Each program owns one token's D-chunk of all streams, so out may alias res (in place).
 """
 import torch
 import triton
 import triton.language as tl
 
-from engine.model.mhc import hc_post
+from engine.numerics import up
+from .common import round_to  # noqa: F401 (other kernels imported it from here)
 
-
-@triton.jit
-def round_to(x, dtype: tl.constexpr):
-    """fp32 x -> the nearest (ties to even) value of `dtype`, still as fp32.
-
-    Stores cast fp32 -> bf16 by truncation under TRITON_INTERPRET (RNE on the GPU); rounding
-    here first makes the cast exact on both, so the interpreter tests see the GPU's numbers
-    (bf16 subnormals excepted: the interpreter flushes them)."""
-    if dtype == tl.bfloat16:
-        b = x.to(tl.int32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-        x = b.to(tl.float32, bitcast=True)
-    return x
 
 
 @triton.jit
@@ -69,6 +57,7 @@ def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
 
 
 def mhc_post_ref(f, res, post, comb, out=None, block_d=None):
-    """Torch reference (the engine's own hc_post)."""
-    y = hc_post(f, res, post, comb)
+    """Torch reference, and the model's hc_post (engine.model.mhc imports it):
+    out[k] = post[k] * f + sum_j comb[j, k] * res[j]  ->  [...,hc,D] in res's dtype."""
+    y = (post[..., None] * up(f)[..., None, :] + comb.transpose(-1, -2) @ up(res)).to(res.dtype)
     return y if out is None else out.copy_(y)

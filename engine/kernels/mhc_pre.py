@@ -10,11 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.mhc import sinkhorn
-from engine.model.norm import rms_norm
-from engine.model.precision import up
-from .mhc_post import round_to
-from .sinkhorn import sinkhorn_tile
+from engine.numerics import up
+from .common import round_to
+from .rms_norm import rms_norm_ref as rms_norm
+from .sinkhorn import sinkhorn_ref as sinkhorn, sinkhorn_tile
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """RMSNorm, one kernel: y = w * x * rsqrt(mean(x^2) + eps) in fp32, stored in x's dtype.
 
-Replaces engine.model.norm.rms_norm (up-cast, square, mean, add, rsqrt, two multiplies, cast:
+Replaces rms_norm_ref below (the model's rms_norm; up-cast, square, mean, add, rsqrt, two multiplies, cast:
 eight kernels) where a standalone norm remains after the fusions (the q LoRA norm, the final
 norm); the sub-layer norms live inside mhc_pre and the compressor's inside its kernel.
 """
@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.norm import rms_norm as rms_norm_ref  # noqa: F401 (the reference)
-from .mhc_post import round_to
+from engine.numerics import up
+from .common import round_to
 
 
 @triton.jit
@@ -37,3 +37,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torc
                                          eps, HAS_W=weight is not None, BLOCK=block,
                                          num_warps=min(16, max(1, block // 256)))
     return y.view(x.shape) if out is None else out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Torch reference, and the model's rms_norm: DeepSeek's order (normalise and weight in fp32,
+    then cast to x's dtype)."""
+    xf = up(x)
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = up(weight) * y
+    return y.to(x.dtype)

@@ -3,7 +3,7 @@
 Replaces the tail of engine.model.attention.Attention.qkv (and window_keys' ring write):
   q  [T,H,Dh]: per-head unweighted RMSNorm, then RoPE on the last R dims;
   kv [T,Dh]:   RMSNorm with kv_norm's weight, RoPE, optionally the e4m3 round trip of the
-               non-rope dims (per-64 power-of-two scales, engine.model.quant_sim.fp8_sim),
+               non-rope dims (per-64 power-of-two scales, engine.numerics.fp8_sim_ref),
                then ring[slot, pos % W] = kv.
 RoPE pairs (2i, 2i+1) are interleaved (GPT-J). Every intermediate is rounded to the tensor's
 dtype where the torch code rounds it, so bf16 results match bit for bit up to fp32 ulps.
@@ -13,11 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.norm import rms_norm
-from engine.model.quant_sim import fp8_sim_ref as fp8_sim
-from engine.model.rope import apply_rope, cos_sin
+from engine.numerics import fp8_sim_ref as fp8_sim
 from .act_sim import fp8_round_trip
-from .mhc_post import round_to
+from .common import apply_rope, cos_sin, round_to
+from .rms_norm import rms_norm_ref as rms_norm
 
 
 @triton.jit
@@ -94,7 +93,7 @@ def rope_qkv(q, kv, kv_weight, eps, cos=None, sin=None, *, positions=None, inv_f
     """q [...,H,Dh], kv [...,Dh] (the wq_b / wkv GEMM outputs), kv_weight [Dh]
     -> (q, kv) normed and roped, kv's first Dh-R dims e4m3-rounded if fp8; new tensors.
 
-    RoPE angles: cos/sin [...,R/2] fp32 (engine.model.rope.cos_sin), or positions [...] with
+    RoPE angles: cos/sin [...,R/2] fp32 (common.cos_sin), or positions [...] with
     inv_freq [R/2] (cos/sin computed in-kernel). ring [slots,W,Dh] with slots [...] (per
     token; < 0 skips): ring[slot, pos % W] = kv, positions required. Tokens must not share a
     ring row (decode: one token per slot). The write lands before attention reads the ring:

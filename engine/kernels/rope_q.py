@@ -2,7 +2,7 @@
 indexer's queries (rotation, then in reference numerics Hadamard and the FP4 round trip).
 
 x [T, H, D] (bf16 or fp32), rotated on its last R dims (interleaved pairs) by the token's
-cos/sin table [T, R/2], rounded to x's dtype as engine.model.rope.apply_rope rounds; with
+cos/sin table [T, R/2], rounded to x's dtype as common.apply_rope rounds; with
 `fp4`, each head row is then Hadamard-rotated (rounded) and e2m1-rounded per 32 channels,
 as engine.model.indexer.Indexer.queries does. Replaces ~10 torch ops (apply_rope) or ~35
 (apply_rope + hadamard + fp4_sim) per call. Grid (T, head blocks).
@@ -11,10 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.quant_sim import fp4_sim_ref, hadamard
-from engine.model.rope import apply_rope
+from engine.numerics import fp4_sim_ref, hadamard
 from .act_sim import fp4_round_trip, hadamard_rows
-from .mhc_post import round_to
+from .common import apply_rope, round_to
 from .rope_kv import _rope
 
 

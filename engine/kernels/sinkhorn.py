@@ -1,14 +1,13 @@
 """Sinkhorn normalisation of the mHC comb logits, one kernel ([T,hc,hc] -> doubly stochastic).
 
 Row softmax, then column sums, then iters-1 rounds of row and column sums, each with +eps
-in the denominator, exactly the order of engine.model.mhc.sinkhorn. The hc x hc matrix of a
+in the denominator, exactly the order of sinkhorn_ref (the model's sinkhorn). The hc x hc matrix of a
 token lives in registers for all rounds. `sinkhorn_tile` is shared with the fused mhc_pre.
 """
 import torch
 import triton
 import triton.language as tl
 
-from engine.model.mhc import sinkhorn as sinkhorn_ref
 
 
 @triton.jit
@@ -48,3 +47,14 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float, out: torch.Tensor | N
         _sinkhorn_kernel[(triton.cdiv(T, block_t),)](x, o, T, eps, HC=hc, ITERS=iters,
                                                       BLOCK_T=block_t, num_warps=1)
     return o.view(logits.shape)
+
+
+def sinkhorn_ref(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Torch reference, and the model's sinkhorn: [..., hc, hc] -> doubly stochastic: row softmax
+    first, then alternate col/row sums."""
+    c = logits.softmax(-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c

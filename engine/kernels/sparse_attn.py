@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.attention import attend
+from engine.numerics import up
 
 # Launch configuration, all in one place; bench/attention.py --sweep compares alternatives on the GPU.
 # Picked offline from ptxas -v for sm_90a at D=512 (no GPU run yet): BLOCK_H 16 / BLOCK_N 32 / 4 warps
@@ -310,7 +310,30 @@ def sparse_mqa_naive(q, kv_a, idx_a, kv_b, idx_b, sink, scale: float, out=None) 
 
 
 # ---------------------------------------------------------------------------------------------------
-# Torch reference: gather, then the model's own math (engine.model.attention.attend).
+# Torch reference: gather, then attend(), which is also the model's attention math
+# (engine.model.attention imports attend and gather_attend from here).
+
+def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """Torch reference. q [B,S,H,D], gathered keys (= values) [B,S,K,D], valid [B,S,K], sink [H]
+    -> o [B,S,H,D]: softmax over the valid keys plus a value-less sink logit per head."""
+    s = torch.einsum("bshd,bskd->bshk", up(q), up(keys)) * scale
+    s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
+    m = torch.maximum(s.amax(-1), up(sink))                                          # [B,S,H]
+    p = torch.exp(s - m[..., None])
+    denom = p.sum(-1) + torch.exp(up(sink) - m)
+    o = torch.einsum("bshk,bskd->bshd", p, up(keys)) / denom[..., None]
+    return o.to(q.dtype)
+
+
+def gather_attend(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """q [B,S,H,D] against kv [B,N,D] at indices idx [B,S,K] (-1 = none) -> o [B,S,H,D]
+    (the model's whole-sequence sparse attention, engine.model.attention.sparse_attn)."""
+    B = q.shape[0]
+    keys = kv[torch.arange(B, device=kv.device)[:, None, None], idx.clamp(min=0)]      # [B,S,K,D]
+    return attend(q, keys, idx >= 0, sink, scale)
+
 
 def gather_keys(kv_a, idx_a, kv_b, idx_b):
     """-> keys [T, Ka+Kb, D], valid [T, Ka+Kb]: the rows the kernel reads, zeros where -1."""
@@ -338,5 +361,5 @@ def attention_flops(T: int, H: int, D: int, n_keys: int) -> int:
     return 4 * T * H * D * n_keys
 
 
-__all__ = ["sparse_mqa", "sparse_mqa_ref", "sparse_mqa_naive", "choose_num_splits", "Workspace",
+__all__ = ["sparse_mqa", "sparse_mqa_ref", "attend", "gather_attend", "sparse_mqa_naive", "choose_num_splits", "Workspace",
            "head_tiling", "gather_keys", "attention_bytes", "attention_flops"]

@@ -18,30 +18,9 @@ from .linear import Linear
 from .norm import RMSNorm, rms_norm
 from .quant_sim import fp8_sim
 from ..kernels import runs_kernel
+from ..kernels.sparse_attn import attend, gather_attend as sparse_attn
 from .kv_cache import LayerCache, StepContext, entry_loc, window_keys
 from .rope import apply_rope, cos_sin, layer_inv_freq
-from .precision import up
-
-
-def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
-           scale: float) -> torch.Tensor:
-    """Torch reference. q [B,S,H,D], gathered keys (= values) [B,S,K,D], valid [B,S,K], sink [H]
-    -> o [B,S,H,D]: softmax over the valid keys plus a value-less sink logit per head."""
-    s = torch.einsum("bshd,bskd->bshk", up(q), up(keys)) * scale
-    s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
-    m = torch.maximum(s.amax(-1), up(sink))                                          # [B,S,H]
-    p = torch.exp(s - m[..., None])
-    denom = p.sum(-1) + torch.exp(up(sink) - m)
-    o = torch.einsum("bshk,bskd->bshd", p, up(keys)) / denom[..., None]
-    return o.to(q.dtype)
-
-
-def sparse_attn(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
-                scale: float) -> torch.Tensor:
-    """q [B,S,H,D] against kv [B,N,D] at indices idx [B,S,K] (-1 = none) -> o [B,S,H,D]."""
-    B = q.shape[0]
-    keys = kv[torch.arange(B, device=kv.device)[:, None, None], idx.clamp(min=0)]      # [B,S,K,D]
-    return attend(q, keys, idx >= 0, sink, scale)
 
 
 def window_indices(positions: torch.Tensor, window: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ from .linear import Linear
 from .norm import RMSNorm
 from .quant_sim import fp4_sim, fp8_sim, hadamard
 from .rope import apply_rope, cos_sin
-from .precision import up
+from ..numerics import up
 
 
 class Compressor(nn.Module):

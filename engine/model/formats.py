@@ -14,6 +14,10 @@ already on the target grid.
 
 import torch
 
+# The helpers the kernels' references share live in the leaf engine.numerics; re-exported here.
+from ..numerics import (E2M1_VALUES, FP4_MAX, FP8_MAX, _ceil_div, _check_2d, _e8m0_bytes,  # noqa: F401
+                        _where, e8m0_to_float, exponent_to_e8m0, fp8_block_dequant, pow2_scale_exponent)
+
 __all__ = [
     "E2M1_VALUES",
     "FP8_MAX",
@@ -36,65 +40,11 @@ __all__ = [
     "mxfp4_to_nvfp4",
 ]
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP4_MAX = 6.0  # largest e2m1 magnitude
-
-# e2m1 code -> value; bit 3 is the sign, so codes 8..15 mirror 0..7.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
 # Midpoints between neighbouring e2m1 magnitudes, with whether a tie rounds UP
 # (true when the upper neighbour has an even code, i.e. round-half-to-even).
 _FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _FP4_TIE_UP = (False, True, False, True, False, True, False)
 
-
-def _where(name):
-    return f" for {name!r}" if name else ""
-
-
-def _check_2d(t, what, name):
-    if t.dim() != 2:
-        raise ValueError(f"{what}{_where(name)} must be 2-D, got shape {tuple(t.shape)}")
-
-
-def _e8m0_bytes(t, name=None):
-    """View an E8M0 tensor (uint8 or float8_e8m0fnu) as its raw uint8 bytes."""
-    if t.dtype == torch.float8_e8m0fnu:
-        return t.view(torch.uint8)
-    if t.dtype == torch.uint8:
-        return t
-    raise ValueError(f"E8M0 scale{_where(name)} must be uint8 or float8_e8m0fnu, got {t.dtype}")
-
-
-def e8m0_to_float(t, name=None):
-    """E8M0 bytes (uint8 or float8_e8m0fnu) -> fp32 ``2^(byte-127)``; raises on 0xFF (NaN)."""
-    b = _e8m0_bytes(t, name)
-    if bool((b == 0xFF).any()):
-        raise ValueError(f"E8M0 scale{_where(name)} contains 0xFF (NaN)")
-    # exp2 of an integer-valued fp32 is exact; byte 0 gives the fp32 subnormal 2^-127.
-    return torch.exp2(b.to(torch.float32) - 127.0)
-
-
-def exponent_to_e8m0(exp, name=None):
-    """Integer exponents e in [-127, 127] -> float8_e8m0fnu tensor holding ``2^e``."""
-    exp = exp.to(torch.int32)
-    if bool(((exp < -127) | (exp > 127)).any()):
-        raise ValueError(f"E8M0 exponent{_where(name)} out of range [-127, 127]")
-    return (exp + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
-
-
-def pow2_scale_exponent(amax, qmax):
-    """Smallest e with ``amax / 2^e <= qmax``, i.e. ``ceil(log2(amax/qmax))``, clamped to E8M0.
-
-    Uses frexp rather than log2 so exact powers of two never round the wrong way.
-    amax is floored at the smallest normal fp32 so all-zero blocks get a valid scale.
-    """
-    ratio = amax.float().clamp_min(torch.finfo(torch.float32).tiny) / qmax
-    mant, e = torch.frexp(ratio)  # ratio = mant * 2^e, mant in [0.5, 1)
-    exp = torch.where(mant == 0.5, e - 1, e)
-    # The low clamp only ever makes a scale larger than needed (never overflows).
-    return exp.clamp(-127, 127)
 
 
 def _check_finite(w, name):
@@ -102,30 +52,7 @@ def _check_finite(w, name):
         raise ValueError(f"cannot quantize{_where(name)}: tensor has inf/NaN")
 
 
-def _ceil_div(a, b):
-    return -(-a // b)
-
-
 # ----------------------------------------------------------------------------- FP8 (block 128x128)
-
-
-def fp8_block_dequant(w, scale, block=128, name=None):
-    """float8_e4m3fn ``w [out, in]`` with E8M0 ``scale [ceil(out/b), ceil(in/b)]`` -> fp32 ``[out, in]``.
-
-    ``W[i, j] = w[i, j] * scale[i // b, j // b]``; the last row/column block may be ragged.
-    """
-    _check_2d(w, "FP8 weight", name)
-    _check_2d(scale, "FP8 scale", name)
-    if w.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"FP8 weight{_where(name)} must be float8_e4m3fn, got {w.dtype}")
-    out_f, in_f = w.shape
-    want = (_ceil_div(out_f, block), _ceil_div(in_f, block))
-    if tuple(scale.shape) != want:
-        raise ValueError(f"FP8 scale shape mismatch{_where(name)}: weight {tuple(w.shape)} with "
-                         f"block {block} needs scale {want}, got {tuple(scale.shape)}")
-    s = e8m0_to_float(scale, name)
-    s = s.repeat_interleave(block, 0).repeat_interleave(block, 1)[:out_f, :in_f]
-    return w.to(torch.float32) * s
 
 
 def fp8_block_quant(w, block=128, name=None):

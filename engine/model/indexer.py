@@ -7,13 +7,14 @@ import torch
 from torch import nn
 
 from ..kernels import runs_kernel
+from ..kernels.indexer import index_scores, index_select
 from .compressor import Compressor
 from .config import ModelConfig
 from .kv_cache import entry_loc
 from .linear import Linear
 from .quant_sim import fp4_sim, hadamard
 from .rope import apply_rope
-from .precision import up
+from ..numerics import up
 
 
 class Indexer(nn.Module):
@@ -42,18 +43,12 @@ class Indexer(nn.Module):
 
     @staticmethod
     def scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """q [B,S,H,d], w [B,S,H], keys [B,N,d] -> [B,S,N] fp32."""
-        s = torch.einsum("bshd,bnd->bshn", up(q), up(keys)).relu()
-        return (s * w[..., None]).sum(dim=2)
+        """q [B,S,H,d], w [B,S,H], keys [B,N,d] -> [B,S,N] fp32 (engine.kernels.indexer.index_scores)."""
+        return index_scores(q, w, keys)
 
     def select(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Causal top-k: scores [B,S,N], positions [S] or [B,S] -> entry ids [B,S,k], -1 where none."""
-        n = scores.shape[-1]
-        k = min(self.topk, n)
-        visible = ((positions + 1) // self.ratio)[..., None]               # entries s < visible[t]
-        future = torch.arange(n, device=scores.device) >= visible          # [(B,)S,N]
-        idx = scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
-        return torch.where(idx < visible, idx, -1)
+        return index_select(scores, positions, self.ratio, self.topk)
 
     def forward(self, x, qr, cos, sin, positions, inv_freq):
         """Whole sequence: -> (top-k entry ids [B,S,k], scores [B,S,N]) ; scores kept for tie checks."""

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.common import cos_sin, entry_loc  # noqa: F401 (entry_loc: the block-table addressing)
+
 
 @dataclass
 class LayerCache:
@@ -49,25 +51,12 @@ class StepContext:
         position's r-token window, where a compressed entry is roped), once per step and `key`:
         the layers share two frequency sets (plain, compressed), and the compressors of one
         ratio share their entries' positions."""
-        from .rope import cos_sin
-
         pos = lambda: self.positions if entry_ratio is None else self.positions // entry_ratio * entry_ratio  # noqa: E731
         return self.once(("rope", key), lambda: cos_sin(pos(), inv_freq))
 
     @property
     def decode(self) -> bool:
         return self.positions.shape[1] == 1 and self.starts is None
-
-
-def entry_loc(block_table: torch.Tensor, block_tokens: int, entries: torch.Tensor, ratio: int) -> torch.Tensor:
-    """Entry ids [B, ...] of each row's sequence -> flat rows of a [blocks * per_block, d] store.
-
-    Entries past a row's blocks (masked by the caller) are clamped into its last block."""
-    per_block = block_tokens // ratio
-    B = entries.shape[0]
-    blk = (entries // per_block).clamp(0, block_table.shape[1] - 1)
-    rows = torch.arange(B, device=entries.device).view(B, *([1] * (entries.dim() - 1)))
-    return block_table[rows, blk] * per_block + entries % per_block
 
 
 def window_keys(kv: torch.Tensor, ctx: StepContext, ring: torch.Tensor):

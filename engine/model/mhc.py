@@ -3,25 +3,14 @@
 hc_pre collapses the streams into one sub-layer input and derives the post and comb
 weights; hc_post expands the sub-layer output back and mixes the residual through the
 Sinkhorn-normalised (doubly stochastic) comb matrix. All coefficient math is fp32.
+The mix projection, Sinkhorn and hc_post math live beside their kernels (engine.kernels.*_ref).
 """
 import torch
-from .precision import up
 
-
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """[..., hc, hc] -> doubly stochastic: row softmax first, then alternate col/row sums."""
-    c = logits.softmax(-1) + eps
-    c = c / (c.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        c = c / (c.sum(-1, keepdim=True) + eps)
-        c = c / (c.sum(-2, keepdim=True) + eps)
-    return c
-
-
-def _mix(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    # fn applied to the unweighted-RMS-normalised flat streams: [B,S,hc*D] -> [B,S,mix]
-    xf = up(h.flatten(-2))
-    return xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps) @ fn.to(xf.dtype).t()
+from ..kernels.bf16_gemm import mhc_mix_ref as _mix
+from ..kernels.mhc_post import mhc_post_ref as hc_post  # noqa: F401 (hc_post: f, res, post, comb)
+from ..kernels.sinkhorn import sinkhorn_ref as sinkhorn
+from ..numerics import up
 
 
 def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -35,12 +24,6 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     comb = sinkhorn(comb, iters, eps)
     x = (pre[..., None] * up(h)).sum(-2).to(h.dtype)
     return x, post, comb
-
-
-def hc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """out[k] = post[k] * f + sum_j comb[j, k] * res[j]  ->  [B,S,hc,D]."""
-    out = post[..., None] * up(f)[..., None, :] + comb.transpose(-1, -2) @ up(res)
-    return out.to(res.dtype)
 
 
 def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,

@@ -14,7 +14,7 @@ from ..kernels import use_kernel
 from .moe import Experts
 from .mtp import MTPBlock
 from .norm import RMSNorm
-from .precision import up
+from ..numerics import up
 
 NUMERICS = ("plain", "reference")
 log = logging.getLogger(__name__)

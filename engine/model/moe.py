@@ -11,17 +11,11 @@ from torch import nn
 
 from ..parallel.comm import all_reduce, shard
 from ..kernels import runs_kernel, use_kernel
+from ..kernels.fused_moe import experts_ref, swiglu
 from .config import ModelConfig
 from .linear import Linear
 from .quant_sim import fp8_sim
-from .precision import up, up_dtype
-
-
-def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
-    g, u = up(g), up(u)
-    if limit > 0:
-        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
-    return F.silu(g) * u
+from ..numerics import up
 
 
 class Gate(nn.Module):
@@ -111,67 +105,17 @@ class Experts(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Torch reference: x [T,D], weights/idx [T,k] -> sum_k w * expert_k(x) [T,D] fp32.
-
-        Loops over the experts that have tokens (host sync): the oracle, not the decode path.
-        On CUDA it takes forward_dense, which a CUDA graph can capture.
-        """
+        """x [T,D], weights/idx [T,k] -> sum_k w * expert_k(x) [T,D] fp32: the fused MoE kernel on
+        packed experts, else the torch math (engine.kernels.fused_moe.experts_ref: a loop over the
+        experts that have tokens on CPU, gathered or dense on CUDA, which a CUDA graph can capture)."""
         if self.packed is not None:
             from ..kernels.fused_moe import fused_moe, fused_moe_ref
 
             moe = fused_moe if runs_kernel("fused_moe", x) else fused_moe_ref
             # W4A16: in reference numerics only the input gets DeepSeek's FP8 rounding here
             return up(moe(fp8_sim(x, 128) if self.act_sim else x, weights, idx, self.packed, self.limit))
-        if x.is_cuda:
-            if idx.numel() < self.w1.shape[0]:
-                return self.forward_gathered(x, weights, idx)
-            return self.forward_dense(x, weights, idx)
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=up_dtype(x.dtype), device=x.device)
-        xs = fp8_sim(x, 128) if self.act_sim else x
-        flat = idx.flatten()
-        order = flat.argsort()
-        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sel = order[start:start + n]
-            start += n
-            tok = sel // idx.shape[1]
-            xe = xs[tok]
-            a = swiglu(F.linear(xe, self.w1[e]), F.linear(xe, self.w3[e]), self.limit)
-            a = (a * weights.flatten()[sel, None]).to(x.dtype)
-            if self.act_sim:
-                a = fp8_sim(a, 128)
-            out.index_add_(0, tok, up(F.linear(a, self.w2[e])))
-        return out
-
-
-    def forward_gathered(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Small batches: gather the routed experts' weights per (token, slot) and batch the
-        matmuls: reads only the experts touched, fixed shapes, no host sync."""
-        T, k = idx.shape
-        xs = (fp8_sim(x, 128) if self.act_sim else x)[:, None, :, None].expand(T, k, -1, 1)   # [T,k,D,1]
-        e = idx.flatten()
-        g = (self.w1[e].unflatten(0, (T, k)) @ xs)[..., 0]                                     # [T,k,I]
-        u = (self.w3[e].unflatten(0, (T, k)) @ xs)[..., 0]
-        a = (swiglu(g, u, self.limit) * weights[..., None]).to(x.dtype)
-        if self.act_sim:
-            a = fp8_sim(a, 128)
-        y = (self.w2[e].unflatten(0, (T, k)) @ a[..., None])[..., 0]                           # [T,k,D]
-        return up(y).sum(1)
-
-    def forward_dense(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token, weighted 0 where not routed: fixed shapes, no host
-        sync. Only for small models and tests; the fused MoE kernel is the real path."""
-        E = self.w1.shape[0]
-        dense = torch.zeros(x.shape[0], E, dtype=weights.dtype, device=x.device).scatter_add_(1, idx, weights)
-        xs = fp8_sim(x, 128) if self.act_sim else x
-        a = swiglu(torch.einsum("td,eid->tei", xs, self.w1), torch.einsum("td,eid->tei", xs, self.w3), self.limit)
-        a = (a * dense[..., None]).to(x.dtype)
-        if self.act_sim:
-            a = fp8_sim(a, 128)
-        return up(torch.einsum("tei,edi->td", a, self.w2))
+        act_round = (lambda a: fp8_sim(a, 128)) if self.act_sim else None
+        return experts_ref(x, weights, idx, self.w1, self.w3, self.w2, self.limit, act_round)
 
 
 class SharedExpert(nn.Module):

@@ -2,14 +2,16 @@
 
 Pairs (2i, 2i+1) of the rope slice are one complex number rotated by pos * f_i.
 Sliding layers use `rope_theta` plainly; compressed layers use `compress_rope_theta`
-with DeepSeek's YaRN ramp and no mscale.
+with DeepSeek's YaRN ramp and no mscale. The rotation itself (apply_rope, cos_sin) lives in
+engine.kernels.common, beside the kernels that fuse it; this module keeps the config-dependent
+frequencies.
 """
 import math
 
 import torch
 
 from .config import ModelConfig, YarnParams
-from .precision import up
+from ..kernels.common import apply_rope, cos_sin  # noqa: F401 (the math; re-exported)
 
 
 def inv_freq(rope_dim: int, base: float, yarn: YarnParams | None) -> torch.Tensor:
@@ -32,20 +34,3 @@ def layer_inv_freq(cfg: ModelConfig, layer: int) -> torch.Tensor:
     if cfg.ratio(layer) == 0:
         return inv_freq(cfg.rope_dim, cfg.rope_theta, None)
     return inv_freq(cfg.rope_dim, cfg.compress_rope_theta, cfg.yarn)
-
-
-def cos_sin(positions: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [...] int -> cos, sin [..., rope_dim/2] fp32."""
-    angles = positions.float()[..., None] * inv.to(positions.device)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the last 2*cos.shape[-1] channels of x; cos/sin broadcast against x[..., :R/2]."""
-    r = 2 * cos.shape[-1]
-    nope, rope = x[..., :-r], up(x[..., -r:]).unflatten(-1, (r // 2, 2))
-    x0, x1 = rope[..., 0], rope[..., 1]
-    if inverse:
-        sin = -sin
-    out = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
-    return torch.cat((nope, out.to(x.dtype)), dim=-1)
