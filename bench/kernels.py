@@ -121,7 +121,7 @@ def mhc_rows(ctx):
             h = torch.randn(M, 4, K // 4, device="cuda").bfloat16()
             out = torch.empty(M, N, device="cuda")
             ws = fg.SplitKWorkspace.sized_for([bg.mhc_mix_need(M, N, K)], "cuda")
-            ref_us = ctx.time(lambda: _mix(h, fn, 1e-6))
+            ref_us = ctx.time(lambda: _mix(h, fn, norm_eps=1e-6))
             for lo_, tag in ((lo, "hi+lo"),) if ctx.quick else ((lo, "hi+lo"), (None, "hi")):
                 us = ctx.time(lambda: bg.mhc_mix(h, hi, lo_, 1e-6, out=out, workspace=ws))
                 nbytes = 2 * M * K + 2 * N * K * (2 if lo_ is not None else 1) + 4 * M * N

@@ -12,7 +12,7 @@ import time
 import torch
 
 from .cache import KVCache
-from .model.kv_cache import StepContext
+from .model.kv_cache import StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -27,62 +27,61 @@ class DecodeGraphs:
             self.buckets.append(max_num_seqs)
         dev, B = cache.device, self.buckets[-1]
         self.max_blocks = cache.blocks_needed(max_model_len)
-        self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(B, 1, dtype=torch.long, device=dev)
-        self.slots = torch.full((B,), pad_slot, dtype=torch.long, device=dev)
-        self.table = torch.zeros(B, self.max_blocks, dtype=torch.long, device=dev)
+        # the static inputs every graph reads: all rows padding until a step copies its own in
+        self.static = StepInputs(ids=torch.zeros(B, 1, dtype=torch.long, device=dev),
+                                 positions=torch.zeros(B, 1, dtype=torch.long, device=dev),
+                                 slots=torch.full((B,), pad_slot, dtype=torch.long, device=dev),
+                                 block_table=torch.zeros(B, self.max_blocks, dtype=torch.long, device=dev),
+                                 block_tokens=cache.block_tokens, max_len=max_model_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
+        self.ops = None       # the model's Ops the graphs captured
 
-    def _ctx(self, b: int) -> StepContext:
-        return StepContext(self.slots[:b], self.positions[:b], self.table[:b], self.cache.block_tokens,
-                           self.max_model_len)
+    def _inputs(self, b: int) -> StepInputs:
+        """The first b rows of the static inputs, as a fresh StepInputs (its per-step tables are
+        recomputed from the buffers inside the graph)."""
+        s = self.static
+        return StepInputs(s.ids[:b], s.positions[:b], s.slots[:b], s.block_table[:b], s.block_tokens, s.max_len)
 
     @torch.inference_mode()
     def capture(self):
+        """Capture (again, if the model's Ops changed) one graph per bucket."""
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info()[0]
-        self._pad(0)
+        self.graphs, self.logits, self.pool = {}, {}, None
         for b in reversed(self.buckets):   # largest first: the others reuse its pool
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
                 for _ in range(2):
-                    self.model.forward_step(self.ids[:b], self._ctx(b), self.cache.layers)
+                    self.model.forward_step(self._inputs(b), self.cache.layers)
             torch.cuda.current_stream().wait_stream(s)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                self.logits[b] = self.model.forward_step(self.ids[:b], self._ctx(b), self.cache.layers)
+                self.logits[b] = self.model.forward_step(self._inputs(b), self.cache.layers)
             self.pool = g.pool()
             self.graphs[b] = g
         torch.cuda.synchronize()
+        self.ops = self.model.ops
         used = free0 - torch.cuda.mem_get_info()[0]
         log.info("captured %d decode graphs (batch %s) in %.1f s, %.1f MiB", len(self.graphs),
                  ",".join(map(str, self.buckets)), time.perf_counter() - t0, used / 2**20)
 
-    def _pad(self, n: int):
-        """Rows from n on: the spare slot, position 0, block 0."""
-        self.ids[n:] = 0
-        self.positions[n:] = 0
-        self.slots[n:] = self.pad_slot
-        self.table[n:] = 0
-
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def run(self, step: dict) -> torch.Tensor:
-        """A decode step description (engine.runner) -> logits [n, V]."""
-        n = len(step["ids"])
-        b = self.bucket(n)
-        dev = self.cache.device
-        self.ids[:n] = torch.tensor(step["ids"], device=dev)
-        self.positions[:n] = torch.tensor(step["positions"], device=dev)
-        self.slots[:n] = torch.tensor(step["slots"], device=dev)
-        rows = [blk + [0] * (self.max_blocks - len(blk)) for blk in step["blocks"]]
-        self.table[:n] = torch.tensor(rows, dtype=torch.long, device=dev)
-        self._pad(n)
+    def run(self, inp: StepInputs) -> torch.Tensor:
+        """A decode step's inputs, padded to a bucket (engine.runner.step_inputs) -> logits [n, V]."""
+        if self.graphs and self.model.ops is not self.ops:
+            raise RuntimeError("the model's kernel set changed after its decode graphs were captured: "
+                               "capture() again (LLM.set_kernels does)")
+        b, n = inp.ids.shape[0], inp.n
+        s = self.static
+        for dst, src in ((s.ids, inp.ids), (s.positions, inp.positions), (s.slots, inp.slots),
+                         (s.block_table, inp.block_table)):
+            dst[:b].copy_(src)
         if b not in self.graphs:   # not captured: the same padded batch, eagerly (what replay must equal)
-            return self.model.forward_step(self.ids[:b], self._ctx(b), self.cache.layers)[:n]
+            return self.model.forward_step(self._inputs(b), self.cache.layers)[:n]
         self.graphs[b].replay()
         return self.logits[b][:n]

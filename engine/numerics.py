@@ -11,6 +11,8 @@ references, so neither has to import the other:
 - E8M0/E2M1 helpers and FP8 block dequantisation (engine.model.formats builds the checkpoint
   formats on these).
 """
+from dataclasses import dataclass
+
 import torch
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -164,3 +166,32 @@ def fp8_block_dequant(w, scale, block=128, name=None):
     s = e8m0_to_float(scale, name)
     s = s.repeat_interleave(block, 0).repeat_interleave(block, 1)[:out_f, :in_f]
     return w.to(torch.float32) * s
+
+
+# ----------------------------------------------------------------------------- which roundings a model applies
+
+@dataclass(frozen=True)
+class Numerics:
+    """What DeepSeek's quantisation-aware inference rounds, in one place (the model's modules and
+    its step read this, nothing else):
+    kv_fp8: the KV's non-rope channels, window and compressed entries alike (e4m3 per 64);
+    indexer_fp4: the indexer's queries and keys, Hadamard-rotated then e2m1 per 32;
+    act_fp8: the input of every GEMM DeepSeek runs in FP8/FP4 (the FP8 linears but wo_a, which its
+    converter dequantises to bf16; the routed experts, MXFP4 and NVFP4 alike), e4m3 per 128."""
+    name: str = "plain"
+    kv_fp8: bool = False
+    indexer_fp4: bool = False
+    act_fp8: bool = False
+
+    MODES = ("plain", "reference")
+
+    @classmethod
+    def of(cls, mode: str) -> "Numerics":
+        """`plain`: no rounding (equals transformers' DeepseekV4); `reference`: all of DeepSeek's."""
+        if mode not in cls.MODES:
+            raise ValueError(f"numerics must be one of {cls.MODES}, got {mode!r}")
+        on = mode == "reference"
+        return cls(mode, kv_fp8=on, indexer_fp4=on, act_fp8=on)
+
+
+PLAIN = Numerics()

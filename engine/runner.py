@@ -2,7 +2,7 @@
 import torch
 
 from .cache import KVCache
-from .model.kv_cache import StepContext
+from .model.kv_cache import StepInputs
 from .sampler import Sampler, SamplerOutput, SamplingBatch
 from .sequence import Sequence
 
@@ -45,17 +45,33 @@ class ModelRunner:
         return self.sampler(logits.float(), batch)
 
 
+def step_inputs(step: dict, device, block_tokens: int, rows: int | None = None, width: int | None = None,
+                pad_slot: int = 0) -> StepInputs:
+    """A step description -> its StepInputs, in one host-to-device copy. rows / width: pad to that
+    many rows (the spare slot, position 0, the never-read block 0) and block-table columns, as a
+    CUDA graph's static buffers are shaped."""
+    n, S = len(step["ids"]), len(step["ids"][0])
+    rows, width = rows or n, width or max(len(b) for b in step["blocks"])
+    table = torch.zeros(rows, width, dtype=torch.long)              # padding: the never-read block 0
+    for i, blocks in enumerate(step["blocks"]):
+        table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+    pad = rows - n
+    host = torch.cat((torch.tensor(step["ids"] + [[0] * S] * pad).flatten(),
+                      torch.tensor(step["positions"] + [[0] * S] * pad).flatten(),
+                      torch.tensor(step["slots"] + [pad_slot] * pad), table.flatten()))
+    ids, positions, slots, table = host.to(device, non_blocking=True).split((rows * S, rows * S, rows, rows * width))
+    return StepInputs(ids=ids.view(rows, S), positions=positions.view(rows, S), slots=slots,
+                      block_table=table.view(rows, width), block_tokens=block_tokens,
+                      max_len=max(p[-1] for p in step["positions"]) + 1, starts=step["starts"], n=n)
+
+
 def run_step(model, cache: KVCache, step: dict, device, graphs=None) -> torch.Tensor:
     """Run one step description on this rank's model and cache -> logits [B,V]."""
     for slot in step["reset"]:      # a sequence starts in this slot: empty its running state
         cache.reset_slot(slot)
-    if graphs is not None and step["starts"] is None and graphs.bucket(len(step["ids"])) is not None:
-        return graphs.run(step)
-    width = max(len(b) for b in step["blocks"])
-    table = [b + [0] * (width - len(b)) for b in step["blocks"]]   # pad: the never-read block 0
-    positions = torch.tensor(step["positions"], device=device)
-    ctx = StepContext(
-        slots=torch.tensor(step["slots"], device=device), positions=positions,
-        block_table=torch.tensor(table, dtype=torch.long, device=device), block_tokens=cache.block_tokens,
-        max_len=max(p[-1] for p in step["positions"]) + 1, starts=step["starts"])
-    return model.forward_step(torch.tensor(step["ids"], device=device), ctx, cache.layers)
+    n = len(step["ids"])
+    if graphs is not None and step["starts"] is None and graphs.bucket(n) is not None:
+        inp = step_inputs(step, device, cache.block_tokens, rows=graphs.bucket(n), width=graphs.max_blocks,
+                          pad_slot=cache.pad_slot)
+        return graphs.run(inp)
+    return model.forward_step(step_inputs(step, device, cache.block_tokens), cache.layers)

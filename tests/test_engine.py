@@ -6,7 +6,7 @@ from conftest import rel_err
 from engine import LLM, SamplingParams
 from engine.cache import KVCache
 from engine.model import load_model
-from engine.model.kv_cache import StepContext
+from engine.model.kv_cache import StepInputs
 
 TOL = 1e-4
 
@@ -34,14 +34,14 @@ def test_incremental_equals_full_sequence(tiny_ckpt, preset, numerics, dtype, n)
     blocks = torch.tensor([cache.allocate(cache.blocks_needed(n))])
     errs, p = [], 0
     for chunk in (3, cfg.window_size + 5, 4, 1, 2 * cfg.window_size):
-        ctx = StepContext(torch.tensor([slot]), torch.arange(p, p + chunk)[None], blocks, cache.block_tokens,
-                          p + chunk, [p])
-        out = model.forward_step(ids[:, p:p + chunk], ctx, cache.layers)
+        inp = StepInputs(ids[:, p:p + chunk], torch.arange(p, p + chunk)[None], torch.tensor([slot]), blocks,
+                         cache.block_tokens, p + chunk, [p])
+        out = model.forward_step(inp, cache.layers)
         p += chunk
         errs.append(rel_err(out[0], full[p - 1]).item())
     while p < n:
-        ctx = StepContext(torch.tensor([slot]), torch.tensor([[p]]), blocks, cache.block_tokens, p + 1)
-        errs.append(rel_err(model.forward_step(ids[:, p:p + 1], ctx, cache.layers)[0], full[p]).item())
+        inp = StepInputs(ids[:, p:p + 1], torch.tensor([[p]]), torch.tensor([slot]), blocks, cache.block_tokens, p + 1)
+        errs.append(rel_err(model.forward_step(inp, cache.layers)[0], full[p]).item())
         p += 1
     print(f"{preset} {numerics}: max rel err incremental vs full {max(errs):.2e}")
     assert max(errs) <= TOL

@@ -22,7 +22,7 @@ from interp import patch_interpreter, run_child
 from engine.kernels import bf16_gemm as bg
 from engine.kernels import fp8_gemm as fg
 from engine.model.formats import e8m0_to_float, fp8_block_quant
-from engine.model.quant_sim import fp8_sim_ref as fp8_sim
+from engine.numerics import fp8_sim_ref as fp8_sim
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,7 +134,7 @@ def interp_mhc():
         h = (torch.randn(M, hc, D, generator=g) * 3).bfloat16()
         fn = torch.randn(N, hc * D, generator=g) * 0.05
         hi, lo = bg.split_bf16(fn)
-        ref, ref_hi = bg.mhc_mix_ref(h, fn, 1e-6), bg.mhc_mix_ref(h, hi.float(), 1e-6)
+        ref, ref_hi = bg.mhc_mix_ref(h, fn, norm_eps=1e-6), bg.mhc_mix_ref(h, hi.float(), norm_eps=1e-6)
         for split_k in (1, None, 3):
             out = poisoned((M, N), torch.float32)
             assert bg.mhc_mix(h, hi, lo, 1e-6, out=out, split_k=split_k) is out
@@ -242,7 +242,7 @@ def test_gpu_mhc_mix(M, N):
     # in fp32 is measurably worse where a row's 4 outputs cancel (H200, 2026-12-03: 1.9e-4 of
     # the row's max-abs at M=256, N=4, against 3.3e-5 planned and < 5e-5 for cuBLAS fp32).
     for w, lo_ in ((fn, lo), (hi.float(), None)):
-        truth = bg.mhc_mix_ref(h.double(), w.double(), 1e-6)
+        truth = bg.mhc_mix_ref(h.double(), w.double(), norm_eps=1e-6)
         for split_k, bar in ((None, 1e-4), (1, 5e-4)):
             y = bg.mhc_mix(h, hi, lo_, 1e-6, split_k=split_k).double()
             print(f"M={M} N={N} lo={lo_ is not None} split_k={split_k}: err {rel_err(y, truth).max().item():.2e}")
@@ -315,7 +315,7 @@ def test_gpu_mhc_cuda_graph(M):
     out = torch.empty(M, 24, device="cuda")
     fresh = [(torch.randn(M, 4, 4096, device="cuda").bfloat16(),) for _ in range(2)]
     graph_vs_eager(lambda: bg.mhc_mix(h, hi, lo, 1e-6, out=out, workspace=ws), [h], fresh, [out])
-    check(out, bg.mhc_mix_ref(h, fn, 1e-6), 1e-4)
+    check(out, bg.mhc_mix_ref(h, fn, norm_eps=1e-6), 1e-4)
 
 
 if __name__ == "__main__":

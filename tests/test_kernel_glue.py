@@ -178,11 +178,11 @@ def check_act_sim(T, D, dtype, fp4, block, dev="cpu"):
 
 
 def check_compressor(dtype, ratio, D=128, sim=0, B=5, steps=None, dev="cpu", R=64):
-    """compress_decode against Compressor._decode (the engine's torch code) over enough decode
-    steps that every row completes windows at different times: states, and every pool row."""
-    from engine.kernels.compressor import compress_decode
+    """compress_decode against compress_decode_ref (the engine's torch code; tests/test_engine.py
+    holds it to the cache-free oracle) over enough decode steps that every row completes windows at
+    different times: states, and every pool row."""
+    from engine.kernels.compressor import compress_decode, compress_decode_ref
     from engine.model.compressor import Compressor
-    from engine.model.kv_cache import StepContext
 
     cfg = types.SimpleNamespace(ratio=lambda layer: ratio, rope_dim=R, norm_eps=1e-6, dim=32)
     comp = Compressor(cfg, 0, D, rotate=sim == 2).to(dev)
@@ -193,7 +193,6 @@ def check_compressor(dtype, ratio, D=128, sim=0, B=5, steps=None, dev="cpu", R=6
     comp.wkv.weight.data, comp.wgate.weight.data = r(coff * D, 32), r(coff * D, 32)
     comp = comp.to(dtype) if dtype != F32 else comp
     comp.ape.data, comp.norm.weight.data = comp.ape.data.float(), comp.norm.weight.data.float()
-    comp.sim = sim != 0
     bt, per_block = 2 * ratio, 2
     slots_n, blocks = B + 2, 4 * B + 2
     kst = torch.zeros(slots_n, coff * ratio, coff * D, device=dev)
@@ -206,15 +205,11 @@ def check_compressor(dtype, ratio, D=128, sim=0, B=5, steps=None, dev="cpu", R=6
     inv = inv_freq(R, 10000.0, None).to(dev)
     for step in range(steps or 2 * ratio + 2):
         pos = (start + step)[:, None]
-        ctx = StepContext(slots, pos, table, bt, int(pos.max()) + 1)
         x = r(B, 32).to(dtype)
-        set_kernels("none")                   # the reference and the projections: torch
-        try:
-            comp._decode(x, ctx, kst, sst, store, inv)
-            kv, score = comp.project(x, None)
-        finally:
-            set_kernels(None)
+        kv, score = comp.project(x, None)
         cos, sin = (t.reshape(B, -1) for t in cos_sin(pos // ratio * ratio, inv))
+        compress_decode_ref(kv, score, comp.ape, kst, sst, store, slots, pos, table, bt, comp.norm.weight,
+                            cos, sin, 1e-6, ratio, sim)
         with poisoned():
             compress_decode(kv, score, comp.ape, kst2, sst2, store2, slots, pos, table, bt, comp.norm.weight,
                             cos, sin, 1e-6, ratio, sim)
@@ -329,12 +324,13 @@ def test_mhc_pre_ref_is_hc_pre():
     for dt in (F32, BF16):
         h, fn, sc, base, w = r(3, 4, 64).to(dt), r(24, 256, s=0.02), 1 + r(3, s=0.1), r(24), 1 + r(64, s=0.05)
         x, post, comb = hc_pre(h, fn, sc, base, 20, 1e-6, 1e-6)
-        got = mhc_pre_ref(_mix(h, fn, 1e-6), sc, base, h, w, 20, 1e-6, 1e-6)
+        got = mhc_pre_ref(_mix(h, fn, norm_eps=1e-6), sc, base, h, w, 20, 1e-6, 1e-6)
         for a, b in zip(got, (rms_norm(x, w, 1e-6), post, comb)):
             assert torch.equal(a, b)
 
 
 def _tiny_attention(sim):
+    from engine.numerics import Numerics
     from engine.model.attention import Attention
     from engine.model.config import ModelConfig
     from weights.make_tiny import build_config
@@ -343,13 +339,12 @@ def _tiny_attention(sim):
     g = torch.Generator().manual_seed(1)
     for p in attn.parameters():
         p.data = torch.randn(p.shape, generator=g) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1) + (p.dim() == 1)
-    attn.sim = sim
+    attn.numerics = Numerics.of("reference" if sim else "plain")
     return attn
 
 
 @pytest.mark.parametrize("sim", [False, True])
 def test_rope_ref_is_attention_qkv(sim):
-    from engine.model.kv_cache import StepContext, window_keys
     from engine.model.rope import cos_sin
     attn = _tiny_attention(sim)
     B = 3
@@ -362,7 +357,7 @@ def test_rope_ref_is_attention_qkv(sim):
     got = rope_qkv_ref(qb, attn.wkv(x), attn.kv_norm.weight, attn.eps, cos, sin, positions=pos,
                        ring=ring, slots=slots[:, None], fp8=sim)
     assert torch.equal(got[0], q) and torch.equal(got[1], kv)
-    window_keys(kv, StepContext(slots, pos, torch.zeros(B, 1, dtype=torch.long), 16, 18), ring_ref)
+    ring_ref[slots, pos[:, 0] % 8] = kv[:, 0]          # each row's key at its position's ring row
     assert torch.equal(ring, ring_ref)
 
 

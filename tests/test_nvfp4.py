@@ -215,14 +215,19 @@ def test_converter_layout(tiny, converted):
     assert (converted / "tokenizer.json").exists()
 
 
-def test_converted_checkpoint_gives_identical_logits(models):
+@pytest.mark.parametrize("numerics", ["plain", "reference"])
+def test_converted_checkpoint_gives_identical_logits(models, numerics):
+    """Reference numerics too: NVFP4 experts get exactly the FP8 input rounding of their MXFP4 source."""
     a, b = models
     assert b.cfg.expert_dtype == "nvfp4" and a.cfg.expert_dtype == "fp4"
     for la, lb in zip(a.layers, b.layers):
         for p in ("w1", "w2", "w3"):
             assert torch.equal(getattr(la.ffn.experts, p), getattr(lb.ffn.experts, p))
     ids = _ids(20, 0)
-    assert torch.equal(a(ids), b(ids))
+    try:
+        assert torch.equal(a.set_numerics(numerics)(ids), b.set_numerics(numerics)(ids))
+    finally:
+        a.set_numerics("plain"), b.set_numerics("plain")
 
 
 def _bf16_experts(tiny, dst):
@@ -357,17 +362,21 @@ def test_hf_expert_names_map_to_official():
 # ----------------------------------------------------------------------------- engine
 
 
-def test_engine_greedy_tokens_match_mxfp4_source(tiny_ckpt, tiny):
+@pytest.mark.parametrize("numerics", ["plain", "reference"])
+def test_engine_greedy_tokens_match_mxfp4_source(tiny_ckpt, tiny, numerics):
+    """The lossless transcode decodes the tokens of its source, logits and all, in both numerics
+    (reference: the NVFP4 experts' inputs get the MXFP4 experts' FP8 rounding)."""
     from engine import LLM, SamplingParams
 
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     prompt = _ids(9, 10)[0].tolist()
     outs = []
     for path in (tiny, tiny_ckpt("nvfp4", 0)):
-        llm = LLM(path, device="cpu", dtype=torch.float32, numerics="plain", max_num_seqs=1,
+        llm = LLM(path, device="cpu", dtype=torch.float32, numerics=numerics, max_num_seqs=1,
                   kv_cache_memory=64 << 20)
-        outs.append(llm.generate([prompt], greedy)[0].token_ids)
-    assert outs[0] == outs[1] and len(outs[0]) == 8
+        outs.append(llm.generate([prompt], greedy)[0].outputs[0])
+    assert outs[0].token_ids == outs[1].token_ids and len(outs[0].token_ids) == 8
+    assert outs[0].logprobs == outs[1].logprobs
 
 
 # ----------------------------------------------------------------------------- packing for the fused MoE kernel

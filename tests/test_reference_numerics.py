@@ -22,7 +22,7 @@ import torch
 
 from conftest import rel_err
 from engine.model import load_model
-from engine.model import quant_sim as QS
+from engine import numerics as QS
 from engine.model.rope import cos_sin
 
 # ----------------------------------------------------------------------------- independent references
@@ -158,7 +158,7 @@ def _random_blocks(shape, block, dtype, seed):
 @pytest.mark.parametrize("block", [64, 128])
 def test_fp8_sim_random(dtype, block):
     x = _random_blocks((6, 5, 256), block, dtype, seed=block)
-    got = QS.fp8_sim(x, block)
+    got = QS.fp8_sim_ref(x, block)
     assert got.dtype == dtype and got.shape == x.shape
     want = ref_fp8_sim(x, block)
     bad = (got != want).nonzero()
@@ -186,20 +186,20 @@ def _fp8_tie_blocks(dtype, scale_exp):
 @pytest.mark.parametrize("scale_exp", [0, -7, 5])
 def test_fp8_sim_exact_ties(dtype, scale_exp):
     x = _fp8_tie_blocks(dtype, scale_exp)
-    got, want = QS.fp8_sim(x, 64), ref_fp8_sim(x, 64)
+    got, want = QS.fp8_sim_ref(x, 64), ref_fp8_sim(x, 64)
     bad = (got != want).nonzero()
     assert bad.numel() == 0, f"{len(bad)} mismatches, e.g. x={x[tuple(bad[0])].item()!r}: " \
                              f"got {got[tuple(bad[0])].item()!r}, want {want[tuple(bad[0])].item()!r}"
     # spot check against hand values: 1.0625 -> 1.0 and 1.1875 -> 1.25 (ties to even)
     s = 2.0 ** scale_exp
-    y = QS.fp8_sim(torch.tensor([[448.0, 1.0625, 1.1875, -1.0625] + [0.0] * 60], dtype=dtype) * s, 64) / s
+    y = QS.fp8_sim_ref(torch.tensor([[448.0, 1.0625, 1.1875, -1.0625] + [0.0] * 60], dtype=dtype) * s, 64) / s
     assert y[0, 1:4].tolist() == [1.0, 1.25, -1.0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_fp4_sim_random(dtype):
     x = _random_blocks((4, 7, 128), 32, dtype, seed=7)
-    got, want = QS.fp4_sim(x, 32), ref_fp4_sim(x, 32)
+    got, want = QS.fp4_sim_ref(x, 32), ref_fp4_sim(x, 32)
     assert got.dtype == dtype and torch.equal(got, want)
     assert torch.equal(ref_fp4_sim(got, 32), got)
 
@@ -215,9 +215,9 @@ def test_fp4_sim_exact_ties(dtype, scale_exp):
     x = torch.cat((row, torch.zeros(64 - row.numel(), dtype=torch.float64))).view(2, 32) * 2.0 ** scale_exp
     x[1, 0] = 6.0 * 2.0 ** scale_exp                                   # each block's amax: scale exactly 2^scale_exp
     x = x.to(dtype)
-    got, want = QS.fp4_sim(x, 32), ref_fp4_sim(x, 32)
+    got, want = QS.fp4_sim_ref(x, 32), ref_fp4_sim(x, 32)
     assert torch.equal(got, want), (x, got, want)
-    y = QS.fp4_sim(torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * 4, dtype=dtype) * 2.0 ** scale_exp)
+    y = QS.fp4_sim_ref(torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0] * 4, dtype=dtype) * 2.0 ** scale_exp)
     assert (y[:8] / 2.0 ** scale_exp).tolist() == [6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
 
 
@@ -225,8 +225,8 @@ def test_fp4_sim_zero_and_tiny_blocks():
     x = torch.zeros(3, 32)
     x[1, :4] = torch.tensor([1e-39, -3e-39, 2e-40, 0.0])   # fp32 subnormals: scale floored at 2^-126
     x[2, 0] = 1e-30
-    assert torch.equal(QS.fp4_sim(x), ref_fp4_sim(x))
-    assert torch.equal(QS.fp4_sim(x)[0], x[0])
+    assert torch.equal(QS.fp4_sim_ref(x), ref_fp4_sim(x))
+    assert torch.equal(QS.fp4_sim_ref(x)[0], x[0])
 
 
 @pytest.mark.parametrize("n", [32, 64, 128])
@@ -406,10 +406,11 @@ def test_set_numerics_rejects_unknown_mode(model):
     model.set_numerics("reference")
     with pytest.raises(ValueError, match=r"numerics must be one of \('plain', 'reference'\), got 'fp8'"):
         model.set_numerics("fp8")
-    assert model.numerics == "reference"                            # unchanged by the failed call
+    assert model.numerics.name == "reference"                       # unchanged by the failed call
     with pytest.raises(ValueError, match="'Reference'"):
         model.set_numerics("Reference")
     model.set_numerics("plain")
-    assert model.numerics == "plain"
-    sims = [m.sim for m in model.modules() if hasattr(m, "sim")]
-    assert sims and not any(sims)
+    assert model.numerics.name == "plain"
+    rounding = [m for m in model.modules() if hasattr(m, "numerics") and m is not model]
+    assert rounding and all(m.numerics is model.numerics for m in rounding)
+    assert not (model.numerics.kv_fp8 or model.numerics.indexer_fp4 or model.numerics.act_fp8)

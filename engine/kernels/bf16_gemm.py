@@ -163,9 +163,11 @@ def mhc_mix_need(M, N, K, device=None, **plan_kw):
     return bf16_gemm_need(M, N, K, 1, device, sumsq=True, **plan_kw)
 
 
-def mhc_mix_ref(h, fn, norm_eps=1e-6, out=None, **_):
+def mhc_mix_ref(h, fn_hi, fn_lo=None, norm_eps=1e-6, out=None, **_):
     """Torch reference, and the model's mHC mix (engine.model.mhc imports it): fn applied to the
-    unweighted-RMS-normalised flat streams, fp32 (fp64 in an fp64 model): [B,S,hc,D] -> [B,S,mix]."""
+    unweighted-RMS-normalised flat streams, fp32 (fp64 in an fp64 model): [B,S,hc,D] -> [B,S,mix].
+    fn = fn_hi (+ fn_lo, when given the kernel's bf16 split)."""
+    fn = fn_hi if fn_lo is None else fn_hi.float() + fn_lo.float()
     xf = up(h.flatten(-2))
     y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps) @ fn.to(xf.dtype).t()
     return out.copy_(y) if out is not None else y
@@ -190,6 +192,9 @@ def bf16_gemm(a, b, out=None, out_dtype=torch.float32, workspace=None, **plan_kw
 
 
 def bf16_gemm_ref(a, b, out=None, out_dtype=torch.float32, **_):
-    """Torch reference: fp32 matmul of the same inputs, cast."""
-    y = (a.float() @ b.float().transpose(-1, -2)).to(out.dtype if out is not None else out_dtype)
+    """Torch reference: fp32 matmul of the same inputs, cast (fp64 inputs: fp64 throughout, for the
+    fp64 exactness tests of the whole model)."""
+    wide = torch.float64 if a.dtype == torch.float64 else torch.float32
+    y = (up(a).to(wide) @ up(b).to(wide).transpose(-1, -2))
+    y = y.to(out.dtype if out is not None else wide if wide == torch.float64 else out_dtype)
     return out.copy_(y) if out is not None else y

@@ -19,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.numerics import fp4_sim_ref, fp8_sim_ref, hadamard
 from .act_sim import fp4_round_trip, fp8_round_trip, hadamard_rows
-from .common import round_to
+from .common import apply_rope, entry_loc, round_to
+from .rms_norm import rms_norm_ref
 from .rope_kv import _rope
 
 SIM_NONE, SIM_FP8, SIM_FP4 = 0, 1, 2
@@ -120,3 +122,37 @@ def compress_decode(kv, score, ape, kv_state, score_state, store, slots, positio
             block_tokens // ratio, eps, D ** -0.5,
             D=D, C=C, R=R, RATIO=ratio, OFF=ratio if overlap else 0, ROWS=rows, OVERLAP=overlap, SIM=sim,
             ROWS_BLOCK=min(rows, max(1, 4096 // D)), LOG_D=D.bit_length() - 1, num_warps=4)
+
+
+def compress_decode_ref(kv, score, ape, kv_state, score_state, store, slots, positions, block_table, block_tokens,
+                        norm_weight, cos, sin, eps, ratio, sim=SIM_NONE):
+    """Torch reference of compress_decode (same contract), the compressor's pooling written out:
+    the pooled entry is always computed, and written to its block when the window completes,
+    else to the never-read block 0 (no data-dependent branch)."""
+    B, C = kv.shape
+    r, d = ratio, store.shape[-1]
+    overlap = C == 2 * d
+    pos = positions.reshape(B)
+    off = r if overlap else 0
+    kv_state[slots, off + pos % r] = kv
+    score_state[slots, off + pos % r] = score + ape[pos % r]
+    st_kv, st_sc = kv_state[slots], score_state[slots]                          # [B, coff*r, C]
+    if overlap:   # the previous window's A half, then this window's B half: 2r rows
+        k = torch.cat((st_kv[:, :r, :d], st_kv[:, r:, d:]), dim=1)
+        s = torch.cat((st_sc[:, :r, :d], st_sc[:, r:, d:]), dim=1)
+    else:
+        k, s = st_kv, st_sc
+    pooled = (k * s.softmax(dim=1)).sum(dim=1)                                   # [B,d] fp32
+    c = apply_rope(rms_norm_ref(pooled.to(store.dtype), norm_weight, eps), cos.reshape(B, -1), sin.reshape(B, -1))
+    if sim == SIM_FP4:
+        c = fp4_sim_ref(hadamard(c), 32)
+    elif sim == SIM_FP8:
+        nope = d - 2 * cos.shape[-1]
+        c = torch.cat((fp8_sim_ref(c[..., :nope], 64), c[..., nope:]), dim=-1)
+    emit = (pos + 1) % r == 0
+    loc = torch.where(emit, entry_loc(block_table, block_tokens, (pos // r)[:, None], r)[:, 0], 0)
+    store.index_copy_(0, loc, c.to(store.dtype))
+    if overlap:   # a finished window becomes the previous one
+        e = emit[:, None, None]
+        kv_state[slots, :r] = torch.where(e, st_kv[:, r:], st_kv[:, :r])
+        score_state[slots, :r] = torch.where(e, st_sc[:, r:], st_sc[:, :r])

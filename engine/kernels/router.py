@@ -15,6 +15,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.numerics import up
+
 
 @triton.jit
 def _log1p(u):
@@ -82,7 +84,7 @@ def route_ref(logits, k, route_scale, bias=None, tid2eid=None, token_ids=None, r
               ids_dtype=torch.int64):
     """Torch reference: Gate.forward's lines after its GEMM (sqrtsoftplus scoring; the tests
     check it against Gate itself)."""
-    scores = F.softplus(logits.float()).sqrt()
+    scores = F.softplus(up(logits)).sqrt()
     if tid2eid is not None:
         idx = tid2eid[token_ids]
     else:

@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from ..kernels import runs_kernel
+from ..kernels.bf16_gemm import split_bf16
 from .attention import Attention
 from .config import ModelConfig
 from .mhc import hc_post, hc_pre
@@ -28,37 +28,25 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, layer, dtype=dtype)
         _hc_params(self, "attn", cfg.hc_mult, cfg.dim)
         _hc_params(self, "ffn", cfg.hc_mult, cfg.dim)
+        self.mix_split = {}
 
     def pre(self, h: torch.Tensor, name: str):
         return hc_pre(h, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_scale"),
                       getattr(self, f"hc_{name}_base"), self.hc_iters, self.hc_eps, self.norm_eps)
 
-    def pre_fused(self, h: torch.Tensor, name: str, norm: RMSNorm):
-        """pre() then norm, in two kernels: the mix GEMM (bf16 tensor cores, fp32-exact through
-        the hi/lo split of fn) and mhc_pre (Sinkhorn, collapse, RMSNorm)."""
-        from ..kernels.bf16_gemm import mhc_mix, split_bf16
-        from ..kernels.mhc_pre import mhc_pre
+    def mix_weight(self, name: str):
+        """-> (fn_hi, fn_lo) for ops.mhc_mix: the mix projection's fp32 weight split into two bf16
+        halves for the mix kernel (prepare_mix), or (fn, None) for the reference."""
+        return self.mix_split.get(name) or (getattr(self, f"hc_{name}_fn"), None)
 
-        fn = getattr(self, f"hc_{name}_fn")
-        split = getattr(self, f"_{name}_fn_split", None)
-        if split is None or split[0].device != fn.device:     # once, before any graph capture
-            split = split_bf16(fn)
-            setattr(self, f"_{name}_fn_split", split)
-        mix = mhc_mix(h, *split, self.norm_eps)
-        return mhc_pre(mix, getattr(self, f"hc_{name}_scale"), getattr(self, f"hc_{name}_base"), h,
-                       norm.weight, self.hc_iters, self.hc_eps, self.norm_eps)
+    def prepare_mix(self, split: bool):
+        """The mix kernel reads fn as bf16 hi + lo (tensor cores at fp32-grade accuracy): split it
+        once, before any graph capture; split False drops the halves (the reference reads fn)."""
+        self.mix_split = {n: split_bf16(getattr(self, f"hc_{n}_fn")) for n in ("attn", "ffn")} if split else {}
 
-    def forward(self, h: torch.Tensor, ids: torch.Tensor, attn=None) -> torch.Tensor:
-        """h [B,S,hc,D] -> [B,S,hc,D]. `attn` replaces the cache-free attention (engine caches)."""
-        attn = attn or self.attn
-        if runs_kernel("mhc", h):
-            from ..kernels.mhc_post import mhc_post
-
-            x, post, comb = self.pre_fused(h, "attn", self.attn_norm)
-            h = mhc_post(attn(x), h, post, comb)
-            x, post, comb = self.pre_fused(h, "ffn", self.ffn_norm)
-            return mhc_post(self.ffn(x, ids), h, post, comb)
+    def forward(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The oracle, whole sequences: h [B,S,hc,D] -> [B,S,hc,D] (the engine: step.block)."""
         x, post, comb = self.pre(h, "attn")
-        h = hc_post(attn(self.attn_norm(x)), h, post, comb)
+        h = hc_post(self.attn(self.attn_norm(x)), h, post, comb)
         x, post, comb = self.pre(h, "ffn")
         return hc_post(self.ffn(self.ffn_norm(x), ids), h, post, comb)

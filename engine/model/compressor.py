@@ -9,14 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import runs_kernel
 from .config import ModelConfig
 from .kv_cache import entry_loc
 from .linear import Linear
 from .norm import RMSNorm
-from .quant_sim import fp4_sim, fp8_sim, hadamard
 from .rope import apply_rope, cos_sin
-from ..numerics import up
+from ..numerics import PLAIN, fp4_sim_ref as fp4_sim, fp8_sim_ref as fp8_sim, hadamard, up
 
 
 class Compressor(nn.Module):
@@ -32,18 +30,20 @@ class Compressor(nn.Module):
         self.wgate = Linear(cfg.dim, coff * head_dim, dtype=dtype)
         self.ape = nn.Parameter(torch.empty(self.ratio, coff * head_dim, dtype=torch.float32), requires_grad=False)
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
-        self.sim = False
+        self.numerics = PLAIN
+
+    def sim_of(self, numerics) -> str | None:
+        """The rounding of this compressor's entries: "fp4" (Hadamard + FP4: indexer keys),
+        "fp8" (the KV's nope dims) or None."""
+        if self.rotate:
+            return "fp4" if numerics.indexer_fp4 else None
+        return "fp8" if numerics.kv_fp8 else None
 
     def project(self, x: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., D], positions [...] -> kv, score [..., coff*d] fp32 (score has its slot's ape;
         positions None: without it)."""
-        if runs_kernel("bf16_gemm", x):     # bf16 in, fp32 out: the up-cast GEMM without the casts
-            from ..kernels.bf16_gemm import bf16_gemm
-
-            kv, score = bf16_gemm(x, self.wkv.weight), bf16_gemm(x, self.wgate.weight)
-        else:
-            xf = up(x)
-            kv, score = F.linear(xf, up(self.wkv.weight)), F.linear(xf, up(self.wgate.weight))
+        xf = up(x)
+        kv, score = F.linear(xf, up(self.wkv.weight)), F.linear(xf, up(self.wgate.weight))
         return kv, score if positions is None else score + self.ape[positions % self.ratio]
 
     def pool(self, kv: torch.Tensor, score: torch.Tensor, prev: tuple | None = None) -> torch.Tensor:
@@ -64,17 +64,17 @@ class Compressor(nn.Module):
             score = torch.cat((a_sc, score[..., d:]), dim=2)
         return (kv * score.softmax(dim=2)).sum(dim=2)
 
-    def finish(self, c: torch.Tensor, entry: torch.Tensor, inv_freq: torch.Tensor, dtype) -> torch.Tensor:
-        """Pooled entries [B,n,d] at entry indices [n] or [B,n] -> normed, roped cache entries."""
+    def finish(self, c: torch.Tensor, entry: torch.Tensor, inv_freq: torch.Tensor, dtype, sim: str | None) -> torch.Tensor:
+        """Pooled entries [B,n,d] at entry indices [n] or [B,n] -> normed, roped cache entries,
+        rounded as `sim` says (sim_of)."""
         c = self.norm(c.to(dtype))
         cos, sin = cos_sin(entry * self.ratio, inv_freq)
         c = apply_rope(c, cos, sin)
-        if self.sim:
-            if self.rotate:
-                c = fp4_sim(hadamard(c), 32)
-            else:
-                nope = self.head_dim - self.rope_dim
-                c = torch.cat((fp8_sim(c[..., :nope], 64), c[..., nope:]), dim=-1)
+        if sim == "fp4":
+            c = fp4_sim(hadamard(c), 32)
+        elif sim == "fp8":
+            nope = self.head_dim - self.rope_dim
+            c = torch.cat((fp8_sim(c[..., :nope], 64), c[..., nope:]), dim=-1)
         return c
 
     def forward(self, x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -86,55 +86,18 @@ class Compressor(nn.Module):
         pos = torch.arange(n * self.ratio, device=x.device)
         kv, score = self.project(x[:, : n * self.ratio], pos)
         c = self.pool(kv.unflatten(1, (n, self.ratio)), score.unflatten(1, (n, self.ratio)))
-        return self.finish(c, torch.arange(n, device=x.device), inv_freq, x.dtype)
+        return self.finish(c, torch.arange(n, device=x.device), inv_freq, x.dtype, self.sim_of(self.numerics))
 
     # ---- with the engine's cache: running state per sequence slot, entries in the block pool ----
-    def step(self, x: torch.Tensor, ctx, kv_state: torch.Tensor, score_state: torch.Tensor,
-             store: torch.Tensor, inv_freq: torch.Tensor):
-        """Feed this step's tokens x [B,S,D]; complete windows become entries in `store`."""
-        if ctx.decode:
-            self._decode(x[:, 0], ctx, kv_state, score_state, store.flatten(0, 1), inv_freq)
-        else:
-            for b, start in enumerate(ctx.starts):
-                self._prefill(x[b], b, start, ctx, kv_state, score_state, store.flatten(0, 1), inv_freq)
+    # (decode: engine.kernels.compressor.compress_decode, called by engine.model.step.compress)
+    def prefill(self, x, inp, kv_state, score_state, store, inv_freq, sim):
+        """A prefill chunk x [B,S,D]: each row's completed windows become entries in the flat
+        store [rows, d] at once; the open window stays in the state. Torch, a row at a time."""
+        for b, start in enumerate(inp.starts):
+            self._prefill_row(x[b], b, start, inp, kv_state, score_state, store, inv_freq, sim)
 
-    def _decode(self, x, ctx, kv_state, score_state, store, inv_freq):
-        """One token per row, no host sync: the pooled entry is always computed and written to
-        its block when the window completes, else to the never-read block 0."""
-        r, d, slots, pos = self.ratio, self.head_dim, ctx.slots, ctx.positions[:, 0]
-        if runs_kernel("compressor", x):
-            return self._decode_kernel(x, ctx, kv_state, score_state, store, inv_freq)
-        kv, score = self.project(x, pos)                                  # [B, coff*d]
-        off = r if self.overlap else 0
-        kv_state[slots, off + pos % r] = kv
-        score_state[slots, off + pos % r] = score
-        st_kv, st_sc = kv_state[slots], score_state[slots]                # [B, coff*r, coff*d]
-        prev = (st_kv[:, :r, :d], st_sc[:, :r, :d]) if self.overlap else None
-        pooled = self.pool(st_kv[:, None, off:], st_sc[:, None, off:], prev)
-        entry = pos // r
-        c = self.finish(pooled, entry[:, None], inv_freq, x.dtype)[:, 0]
-        emit = (pos + 1) % r == 0
-        loc = torch.where(emit, entry_loc(ctx.block_table, ctx.block_tokens, entry[:, None], r)[:, 0], 0)
-        store.index_copy_(0, loc, c.to(store.dtype))
-        if self.overlap:  # the finished window becomes the previous one
-            e = emit[:, None, None]
-            kv_state[slots, :r] = torch.where(e, st_kv[:, r:], st_kv[:, :r])
-            score_state[slots, :r] = torch.where(e, st_sc[:, r:], st_sc[:, :r])
-
-    def _decode_kernel(self, x, ctx, kv_state, score_state, store, inv_freq):
-        """_decode in three kernels: the two projections and engine.kernels.compressor."""
-        from ..kernels.compressor import SIM_FP4, SIM_FP8, SIM_NONE, compress_decode
-
-        r = self.ratio
-        kv, score = self.project(x, None)
-        # rope tables at the entries' positions, shared by every layer of this ratio in the step
-        cos, sin = ctx.cos_sin(f"entry/{r}", inv_freq, entry_ratio=r)
-        sim = (SIM_FP4 if self.rotate else SIM_FP8) if self.sim else SIM_NONE
-        compress_decode(kv, score, self.ape, kv_state, score_state, store, ctx.slots, ctx.positions,
-                        ctx.block_table, ctx.block_tokens, self.norm.weight, cos, sin, self.norm.eps, r, sim)
-
-    def _prefill(self, x, b, start, ctx, kv_state, score_state, store, inv_freq):
-        """Row b's chunk x [S,D] at positions start.. : windows it completes are emitted at once."""
+    def _prefill_row(self, x, b, start, ctx, kv_state, score_state, store, inv_freq, sim):
+        """Row b's chunk x [S,D] at positions start.."""
         r, d, slot = self.ratio, self.head_dim, ctx.slots[b]
         S = x.shape[0]
         end = start + S
@@ -150,7 +113,7 @@ class Compressor(nn.Module):
             scw = score[: n_emit * r].unflatten(0, (n_emit, r))[None]
             prev = (kv_state[slot, None, :r, :d], score_state[slot, None, :r, :d]) if self.overlap else None
             entries = torch.arange(w0, w0 + n_emit, device=x.device)
-            c = self.finish(self.pool(kvw, scw, prev), entries, inv_freq, x.dtype)[0]
+            c = self.finish(self.pool(kvw, scw, prev), entries, inv_freq, x.dtype, sim)[0]
             store[entry_loc(ctx.block_table[b:b + 1], ctx.block_tokens, entries[None], r)[0]] = c.to(store.dtype)
             if self.overlap:
                 kv_state[slot, :r], score_state[slot, :r] = kvw[0, -1], scw[0, -1]

@@ -29,14 +29,18 @@ class LayerCache:
 
 
 @dataclass
-class StepContext:
-    """One model call: B sequences with S new tokens each (decode: S == 1)."""
+class StepInputs:
+    """One model call, built once per step (engine.runner.step_inputs) and read by the eager step
+    and graph replay alike: B rows with S new tokens each (decode: S == 1). Rows from `n` on are
+    padding (a spare slot, position 0, the never-read block 0): they write nothing a sequence reads."""
+    ids: torch.Tensor           # [B,S] long, the new tokens
+    positions: torch.Tensor     # [B,S] long, their absolute positions
     slots: torch.Tensor         # [B] long, the sequences' cache slots
-    positions: torch.Tensor     # [B,S] long, absolute positions of the new tokens
     block_table: torch.Tensor   # [B, max_blocks] long
     block_tokens: int
     max_len: int                # host int: max over rows of (last position + 1); sizes the gathers
     starts: list[int] | None = None   # host ints, first position per row (prefill only)
+    n: int | None = None        # real rows (None: all)
     shared: dict = field(default_factory=dict)   # what every layer of this step derives alike
 
     def once(self, key, make):
@@ -59,22 +63,3 @@ class StepContext:
         return self.positions.shape[1] == 1 and self.starts is None
 
 
-def window_keys(kv: torch.Tensor, ctx: StepContext, ring: torch.Tensor):
-    """Keys of each new token's window: kv [B,S,Dh] (this step's) and the ring of earlier ones.
-
-    -> keys [B,S,W,Dh], valid [B,S,W]. Positions before this step's first come from the ring,
-    the rest from kv; the ring is updated afterwards with this step's last W tokens.
-    """
-    B, S, _ = kv.shape
-    W = ring.shape[1]
-    pos = ctx.positions
-    start = pos[:, :1]                                                        # [B,1]
-    q = pos[..., None] - W + 1 + torch.arange(W, device=kv.device)            # [B,S,W]
-    from_step = q >= start[..., None]
-    rows = torch.arange(B, device=kv.device)[:, None, None]
-    in_step = kv[rows, (q - start[..., None]).clamp(0, S - 1)]
-    in_ring = ring[ctx.slots[:, None, None], q.clamp(min=0) % W]
-    keys = torch.where(from_step[..., None], in_step, in_ring)
-    keep = min(W, S)
-    ring[ctx.slots[:, None], pos[:, -keep:] % W] = kv[:, -keep:].to(ring.dtype)
-    return keys, q >= 0

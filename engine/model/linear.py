@@ -1,25 +1,28 @@
 """Linear layers and the embedding, named as DeepSeek names them (`.weight`).
 
 The weight is held dequantised here (CPU oracle); `fmt` remembers what the checkpoint
-stored so reference numerics can round activations the way DeepSeek's FP8/FP4 GEMMs do
-(e4m3 per 128 input channels, power-of-two scales).
+stored, and `fp8_gemm` whether DeepSeek runs the weight through its FP8 GEMM, whose
+activations reference numerics round (e4m3 per 128 input channels, power-of-two scales).
+Not wo_a: DeepSeek's converter dequantises it to bf16.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import use_kernel
+from ..kernels.fp8_gemm import fp8_gemm_ref
+from ..numerics import PLAIN, fp8_sim_ref as fp8_sim
 from ..parallel.comm import all_reduce, shard
 from ..parallel.state import tp_rank, tp_size
-from .quant_sim import fp8_sim
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, fmt: str = "bf16", dtype=None):
+    def __init__(self, in_features: int, out_features: int, fmt: str = "bf16", dtype=None,
+                 fp8_gemm: bool | None = None):
         super().__init__()
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.fp8_gemm = fmt == "fp8" if fp8_gemm is None else fp8_gemm
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.act_sim = False  # set by Transformer.set_numerics
+        self.numerics = PLAIN   # set by Transformer.set_numerics
         self.qweight = self.qscale = None
 
     def set_packed(self, weight: torch.Tensor, scale: torch.Tensor):
@@ -30,14 +33,11 @@ class Linear(nn.Module):
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The oracle's GEMM (the engine's step: engine.model.step.linear)."""
+        act = self.numerics.act_fp8 and self.fp8_gemm
         if self.qweight is not None:
-            from ..kernels.fp8_gemm import fp8_gemm, fp8_gemm_ref
-
-            gemm = fp8_gemm if x.is_cuda and use_kernel("fp8_gemm") else fp8_gemm_ref
-            return gemm(x, self.qweight, self.qscale, act_quant=self.act_sim, out_dtype=x.dtype)
-        if self.act_sim:
-            x = fp8_sim(x, 128)
-        return F.linear(x, self.weight)
+            return fp8_gemm_ref(x, self.qweight, self.qscale, act_quant=act, out_dtype=x.dtype)
+        return F.linear(fp8_sim(x, 128) if act else x, self.weight)
 
 
 class Embedding(nn.Module):

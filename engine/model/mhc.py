@@ -17,7 +17,7 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
            iters: int, eps: float, norm_eps: float):
     """h [B,S,hc,D] -> x [B,S,D] (h's dtype), post [B,S,hc], comb [B,S,hc,hc] (fp32)."""
     hc = h.shape[-2]
-    mix = _mix(h, fn, norm_eps)
+    mix = _mix(h, fn, norm_eps=norm_eps)
     pre = torch.sigmoid(mix[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(mix[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (mix[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
@@ -29,5 +29,5 @@ def hc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
 def hc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
             eps: float, norm_eps: float) -> torch.Tensor:
     """Final collapse of the streams (no Sinkhorn, no post): [B,S,hc,D] -> [B,S,D]."""
-    pre = torch.sigmoid(_mix(h, fn, norm_eps) * scale + base) + eps
+    pre = torch.sigmoid(_mix(h, fn, norm_eps=norm_eps) * scale + base) + eps
     return (pre[..., None] * up(h)).sum(-2).to(h.dtype)

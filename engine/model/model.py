@@ -1,6 +1,5 @@
 """The whole network: embedding -> 4 identical streams -> blocks -> hc_head -> norm -> head."""
 import logging
-from functools import partial
 
 import torch
 from torch import nn
@@ -10,14 +9,28 @@ from .block import Block
 from .config import ModelConfig
 from .linear import Embedding, Linear
 from .mhc import hc_head
-from ..kernels import use_kernel
+from ..kernels import Ops
+from ..numerics import Numerics
+from . import step
+from .attention import Attention
+from .compressor import Compressor
+from .indexer import Indexer
+from .kv_cache import LayerCache, StepInputs
 from .moe import Experts
 from .mtp import MTPBlock
 from .norm import RMSNorm
-from ..numerics import up
 
-NUMERICS = ("plain", "reference")
 log = logging.getLogger(__name__)
+
+
+def _spans(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, start = [], ids[0]
+    for a, b in zip(ids, ids[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}-{a}" if a > start else f"{a}")
+            start = b
+    return ",".join(out)
 
 
 class Transformer(nn.Module):
@@ -33,63 +46,72 @@ class Transformer(nn.Module):
         self.hc_head_base = nn.Parameter(torch.empty(hc, dtype=torch.float32), requires_grad=False)
         self.hc_head_scale = nn.Parameter(torch.empty(1, dtype=torch.float32), requires_grad=False)
         self.mtp = nn.ModuleList(MTPBlock(cfg, dtype=dtype) for _ in range(cfg.n_mtp_layers if with_mtp else 0))
-        self.numerics = "plain"
+        self.numerics = Numerics.of("plain")
+        self.ops = Ops.select("cpu", dtype, "none")    # the references until prepare_kernels
 
     def set_numerics(self, mode: str) -> "Transformer":
         """`plain`: no simulation (equals transformers' DeepseekV4). `reference`: DeepSeek's QAT
-        simulation: FP8 KV nope dims, Hadamard + FP4 indexer, FP8 activations into FP8/FP4 GEMMs."""
-        if mode not in NUMERICS:
-            raise ValueError(f"numerics must be one of {NUMERICS}, got {mode!r}")
-        self.numerics = mode
-        on = mode == "reference"
-        for name, m in self.named_modules():
-            if hasattr(m, "sim"):
-                m.sim = on
-            if hasattr(m, "act_sim"):
-                quantized = getattr(m, "fmt", "fp4" if self.cfg.expert_dtype in ("fp4", "fp8") else "bf16")
-                # wo_a is dequantised to bf16 by DeepSeek's converter: its input is not rounded.
-                m.act_sim = on and quantized in ("fp8", "fp4") and not name.endswith("wo_a")
+        simulation (engine.numerics.Numerics): FP8 KV nope dims, Hadamard + FP4 indexer, FP8
+        activations into the FP8/FP4 GEMMs. The modules that round read the same description."""
+        self.numerics = Numerics.of(mode)
+        for m in self.modules():
+            if isinstance(m, (Attention, Compressor, Indexer, Linear, Experts)):
+                m.numerics = self.numerics
         return self
 
     def pack_fp8(self) -> int:
-        """Hold every FP8-format linear's weight as FP8 again (e4m3 + E8M0 per 128x128) for the
+        """Hold every FP8-GEMM linear's weight as FP8 again (e4m3 + E8M0 per 128x128) for the
         FP8 GEMM kernel. Exact: the loaded weights are e4m3 values times powers of two, and
         re-deriving a block's scale can only shrink it by powers of two, which e4m3 absorbs
         without rounding. wo_a stays bf16, as DeepSeek's converter leaves it. -> count packed."""
         from .formats import fp8_block_quant
 
         n = 0
-        for name, m in self.named_modules():
-            if isinstance(m, Linear) and m.fmt == "fp8" and m.weight is not None and not name.endswith("wo_a"):
+        for m in self.modules():
+            if isinstance(m, Linear) and m.fp8_gemm and m.weight is not None:
                 w, s = fp8_block_quant(m.weight.float())
                 m.set_packed(w, s)
                 n += 1
         return n
 
-    def prepare_kernels(self) -> "Transformer":
-        """On CUDA in bf16, switch the weights to the layouts the Triton kernels read."""
-        from ..kernels import use_kernel
-
-        if not (self.head.weight.is_cuda and self.dtype == torch.bfloat16):
-            return self
-        if use_kernel("fp8_gemm"):
+    def prepare_kernels(self, kernels=None) -> "Transformer":
+        """Choose the step's Ops for this device and dtype (kernels: engine.kernels.kernel_set's
+        names; None: ENGINE_KERNELS) and put the weights in the layouts those kernels read.
+        Before any graph capture: graphs capture the Ops chosen here."""
+        device = self.head.weight.device
+        self.ops = Ops.select(device, self.dtype, kernels)
+        if self.ops.uses("fp8_gemm"):
             self.pack_fp8()
-        if use_kernel("fused_moe") and self.cfg.expert_dtype in ("fp4", "nvfp4") and self.cfg.dim % 128 == 0:
+        if self.ops.uses("fused_moe") and self.cfg.expert_dtype in ("fp4", "nvfp4") and self.cfg.dim % 128 == 0:
             for name, m in self.named_modules():
-                if isinstance(m, Experts) and m.w1.shape[1] % 128 == 0:
+                if isinstance(m, Experts) and m.packed is None and m.w1.shape[1] % 128 == 0:
                     if not m.pack():
                         log.warning("%s: packed expert codes do not reproduce the weights: torch path", name)
-                    torch.cuda.empty_cache()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
         for m in self.modules():   # NVFP4 codes the loader kept but no kernel took: free them
             if isinstance(m, Experts) and m.packed is None:
                 m.nvfp4_parts = None
+        for layer in self.layers:
+            layer.prepare_mix(self.ops.uses("mhc"))
+        log.info("kernels on %s: %s; MoE: %s", device, ",".join(sorted(self.ops.kernels)) or "none", self.moe_paths())
         return self
 
-    def hidden(self, input_ids: torch.Tensor, attn_fns=None) -> torch.Tensor:
-        """ids [B,S] -> the last block's output streams [B,S,hc,D]."""
-        h = self.embed(input_ids)[:, :, None, :].expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+    def moe_paths(self) -> str:
+        """Which layers' routed experts run which path, in one line (the engine logs it at start)."""
+        paths = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, input_ids, attn_fns[i] if attn_fns else None)
+            e = layer.ffn.experts
+            path = "fused kernel" if e.packed is not None and self.ops.uses("fused_moe") else \
+                "torch on packed codes" if e.packed is not None else "torch"
+            paths.setdefault(path, []).append(i)
+        return "; ".join(f"{p}: layers {_spans(ls)}" for p, ls in paths.items())
+
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The oracle: ids [B,S] from position 0 -> the last block's output streams [B,S,hc,D]."""
+        h = self.embed(input_ids)[:, :, None, :].expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            h = layer(h, input_ids)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -102,11 +124,7 @@ class Transformer(nn.Module):
         # vocab-parallel head: each rank's slice of the logits, gathered in rank order. fp32 logits
         # as DeepSeek computes them; in bf16 models a bf16 GEMM with fp32 output rather than
         # casting the whole [vocab, dim] weight every step (bf16 logits would tie the argmax).
-        if y.is_cuda and y.dtype == torch.bfloat16 and use_kernel("bf16_gemm"):
-            from ..kernels.bf16_gemm import bf16_gemm
-
-            return all_gather_last(bf16_gemm(y.reshape(-1, y.shape[-1]), self.head.weight).view(*y.shape[:-1], -1))
-        return all_gather_last(torch.nn.functional.linear(up(y), up(self.head.weight)))
+        return all_gather_last(self.ops.gemm(y.reshape(-1, y.shape[-1]), self.head.weight).view(*y.shape[:-1], -1))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -114,11 +132,10 @@ class Transformer(nn.Module):
         return self.logits(self.hidden(input_ids))
 
     @torch.inference_mode()
-    def forward_step(self, input_ids: torch.Tensor, ctx, caches) -> torch.Tensor:
-        """The engine's step: ids [B,S] at ctx.positions against the per-layer caches (updated
-        in place) -> fp32 logits of each row's last token [B,V]."""
-        attn = [partial(layer.attn.forward_cached, ctx=ctx, cache=c) for layer, c in zip(self.layers, caches)]
-        return self.logits(self.hidden(input_ids, attn)[:, -1])
+    def forward_step(self, inp: StepInputs, caches: list[LayerCache]) -> torch.Tensor:
+        """The engine's step (engine.model.step): inp.ids [B,S] at inp.positions against the
+        per-layer caches (updated in place) -> fp32 logits of each row's last token [B,V]."""
+        return step.forward(self, inp, caches)
 
     @torch.inference_mode()
     def forward_mtp(self, h_main: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:

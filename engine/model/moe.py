@@ -10,12 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.comm import all_reduce, shard
-from ..kernels import runs_kernel, use_kernel
-from ..kernels.fused_moe import experts_ref, swiglu
+from ..kernels.fused_moe import experts_ref, fused_moe_ref, swiglu
+from ..numerics import PLAIN, fp8_sim_ref as fp8_sim, up
 from .config import ModelConfig
 from .linear import Linear
-from .quant_sim import fp8_sim
-from ..numerics import up
 
 
 class Gate(nn.Module):
@@ -33,8 +31,6 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T,D], ids [T] -> routing weights [T,k] fp32, expert ids [T,k]."""
-        if runs_kernel("router", x) and self.score_func == "sqrtsoftplus" and x.dtype != torch.float64:
-            return self.route_fused(x, ids)
         logits = F.linear(up(x), up(self.weight))
         if self.score_func == "sqrtsoftplus":
             scores = F.softplus(logits).sqrt()
@@ -51,17 +47,6 @@ class Gate(nn.Module):
             w = w / w.sum(-1, keepdim=True)
         return w * self.route_scale, idx
 
-    def route_fused(self, x: torch.Tensor, ids: torch.Tensor):
-        """The gate GEMM (bf16 in, fp32 out) and one router kernel for scores, top-k, renormalise."""
-        from ..kernels.bf16_gemm import bf16_gemm
-        from ..kernels.router import route
-
-        logits = bf16_gemm(x, self.weight) if use_kernel("bf16_gemm") else F.linear(up(x), up(self.weight))
-        if self.is_hash:
-            return route(logits, self.topk, self.route_scale, tid2eid=self.tid2eid, token_ids=ids,
-                         renorm=self.norm_topk)
-        return route(logits, self.topk, self.route_scale, bias=self.bias, renorm=self.norm_topk)
-
 
 class Experts(nn.Module):
     """All routed experts stacked: w1, w3 [E,I,D] (gate, up), w2 [E,D,I] (down)."""
@@ -74,7 +59,10 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(E, I, D, dtype=dtype), requires_grad=False)
         self.w3 = nn.Parameter(torch.empty(E, I, D, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, D, I, dtype=dtype), requires_grad=False)
-        self.act_sim = False
+        # DeepSeek's FP8/FP4 expert GEMMs take e4m3 activations in reference numerics; NVFP4 experts
+        # (a transcode of the MXFP4 ones) get exactly the same input rounding
+        self.quantized = cfg.expert_dtype in ("fp4", "nvfp4", "fp8")
+        self.numerics = PLAIN
         self.packed = None    # engine.kernels.fused_moe.PackedExperts once pack() ran
         self.nvfp4_parts = None    # [(codes, scales, globals) of w1, w3, w2] when loaded from NVFP4
 
@@ -104,17 +92,19 @@ class Experts(nn.Module):
         self.w1 = self.w2 = self.w3 = self.nvfp4_parts = None
         return True
 
+    @property
+    def act(self) -> bool:
+        """Do the experts' inputs get the FP8 round trip (reference numerics, quantised experts)."""
+        return self.numerics.act_fp8 and self.quantized
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [T,D], weights/idx [T,k] -> sum_k w * expert_k(x) [T,D] fp32: the fused MoE kernel on
         packed experts, else the torch math (engine.kernels.fused_moe.experts_ref: a loop over the
         experts that have tokens on CPU, gathered or dense on CUDA, which a CUDA graph can capture)."""
         if self.packed is not None:
-            from ..kernels.fused_moe import fused_moe, fused_moe_ref
-
-            moe = fused_moe if runs_kernel("fused_moe", x) else fused_moe_ref
             # W4A16: in reference numerics only the input gets DeepSeek's FP8 rounding here
-            return up(moe(fp8_sim(x, 128) if self.act_sim else x, weights, idx, self.packed, self.limit))
-        act_round = (lambda a: fp8_sim(a, 128)) if self.act_sim else None
+            return up(fused_moe_ref(fp8_sim(x, 128) if self.act else x, weights, idx, self.packed, self.limit))
+        act_round = (lambda a: fp8_sim(a, 128)) if self.act else None
         return experts_ref(x, weights, idx, self.w1, self.w3, self.w2, self.limit, act_round)
 
 

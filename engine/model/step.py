@@ -1,0 +1,195 @@
+"""The engine's step: this step's tokens against the cache, one flat function per sub-layer.
+
+Every op goes through `ops` (engine.kernels.Ops: the Triton kernel or its torch reference, chosen
+once when the model was prepared) and every rounding DeepSeek's inference applies through `num`
+(engine.numerics.Numerics), so this one code path runs on CPU with the references and on the GPU
+with the kernels, and fusing two ops means replacing two lines here with one. Decode (one token
+per row) and prefill chunks (S tokens per row) share it; where they differ (how the window's keys
+are found, the compressor), the branch is on the host-side `inp.decode`.
+
+Shapes: B rows, S new tokens each, D model width, H query heads (this rank's), Dh = head_dim,
+R/2 rope frequencies, hc residual streams, E experts, k routed per token. The cache-free
+whole-sequence forward of the modules (model.Transformer.forward) stays the oracle this is
+tested against.
+"""
+import torch
+import torch.nn.functional as F
+
+from ..kernels import Ops
+from ..kernels.compressor import SIM_FP4, SIM_FP8, SIM_NONE
+from ..numerics import Numerics, up
+from ..parallel.comm import all_reduce
+from .attention import Attention
+from .block import Block
+from .compressor import Compressor
+from .indexer import Indexer
+from .kv_cache import LayerCache, StepInputs, entry_loc
+from .linear import Linear
+from .moe import MoE, swiglu
+
+
+def forward(model, inp: StepInputs, caches: list[LayerCache]) -> torch.Tensor:
+    """inp.ids [B,S] at inp.positions -> fp32 logits of each row's last token [B,V]; caches updated."""
+    ops, num = model.ops, model.numerics
+    h = model.embed(inp.ids)[:, :, None, :].expand(-1, -1, model.cfg.hc_mult, -1).contiguous()   # [B,S,hc,D]
+    for layer, cache in zip(model.layers, caches):
+        h = block(layer, h, inp, cache, ops, num)
+    return model.logits(h[:, -1])
+
+
+def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Ops, num: Numerics) -> torch.Tensor:
+    """h [B,S,hc,D] -> [B,S,hc,D]: attention, then MoE, each wrapped in mHC."""
+    x, post, comb = hc_pre(b, h, "attn", ops)                                 # x [B,S,D] normed
+    h = ops.mhc_post(attention(b.attn, x, inp, cache, ops, num), h, post, comb)
+    x, post, comb = hc_pre(b, h, "ffn", ops)
+    return ops.mhc_post(moe(b.ffn, x, inp.ids, ops, num), h, post, comb)
+
+
+def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops):
+    """-> the sub-layer's normed input x [B,S,D], post [B,S,hc], comb [B,S,hc,hc] (fp32)."""
+    mix = ops.mhc_mix(h, *b.mix_weight(name), b.norm_eps)                       # [B,S,(2+hc)*hc] fp32
+    norm = b.attn_norm if name == "attn" else b.ffn_norm
+    return ops.mhc_pre(mix, getattr(b, f"hc_{name}_scale"), getattr(b, f"hc_{name}_base"), h, norm.weight,
+                       b.hc_iters, b.hc_eps, b.norm_eps)
+
+
+def linear(lin: Linear, x: torch.Tensor, ops: Ops, num: Numerics) -> torch.Tensor:
+    """x [...,in] -> [...,out] in x's dtype. DeepSeek's FP8 GEMMs take e4m3 activations (per 128
+    channels) in reference numerics; the FP8 GEMM kernel rounds them itself."""
+    act = num.act_fp8 and lin.fp8_gemm
+    if lin.qweight is not None:
+        return ops.fp8_gemm(x, lin.qweight, lin.qscale, act_quant=act, out_dtype=x.dtype)
+    return F.linear(ops.fp8_sim(x, 128) if act else x, lin.weight)
+
+
+# ---- attention ----
+def attention(a: Attention, x: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Ops,
+              num: Numerics) -> torch.Tensor:
+    """x [B,S,D] -> [B,S,D]. Each query reads its window (ring rows, plus this chunk's own keys in
+    prefill) and, in compressed layers, its compressed entries: flat row lists the sparse MQA
+    kernel reads in place."""
+    B, S, _ = x.shape
+    cos, sin = inp.cos_sin(a.rope_key, a.inv_freq)                                        # [B,S,R/2]
+    qr = ops.rms_norm(linear(a.wq_a, x, ops, num), a.q_norm.weight, a.eps)                  # [B,S,q_lora]
+    q = linear(a.wq_b, qr, ops, num).unflatten(-1, (a.n_heads, a.head_dim))                  # [B,S,H,Dh]
+    # norms, RoPE, the KV's FP8 rounding; decode also writes its key into the ring here
+    ring = cache.window if inp.decode else None
+    q, kv = ops.rope_qkv(q, linear(a.wkv, x, ops, num), a.kv_norm.weight, a.eps, cos, sin,
+                         positions=inp.positions, ring=ring, slots=inp.slots if inp.decode else None,
+                         fp8=num.kv_fp8)                                                     # kv [B,S,Dh]
+    W = cache.window.shape[1]
+    if inp.decode:
+        kv_a, idx_a = cache.window.flatten(0, 1), inp.once(("window rows", W), lambda: window_rows(inp, W))
+    else:
+        kv_a, idx_a = chunk_window(kv, inp, cache.window)
+    kv_b = idx_b = None
+    if a.compressor is not None:
+        compress(a.compressor, x, inp, cache.kv_state, cache.score_state, cache.kv, a.inv_freq, ops, num)
+        n = inp.max_len // a.ratio                                  # entries visible to the latest token
+        if a.indexer is not None:
+            idx_b = indexer(a.indexer, x, qr, cos, sin, inp, cache, n, a.inv_freq, ops, num)   # [B*S,k]
+        else:
+            idx_b = inp.once(("entry rows", a.ratio), lambda: entry_rows(inp, a.ratio, n))     # [B*S,n]
+        kv_b = cache.kv.flatten(0, 1)
+    o = ops.sparse_attn(q.flatten(0, 1), kv_a, idx_a, kv_b, idx_b, a.attn_sink, a.scale)     # [B*S,H,Dh]
+    if not inp.decode:   # the chunk's last W keys go into the ring once every query has read it
+        keep = min(W, S)
+        cache.window[inp.slots[:, None], inp.positions[:, -keep:] % W] = kv[:, -keep:].to(cache.window.dtype)
+    o = ops.rope_q(o.view(B, S, a.n_heads, a.head_dim), cos, sin, inverse=True)             # [B,S,H,Dh]
+    return output(a, o, ops, num)
+
+
+def output(a: Attention, o: torch.Tensor, ops: Ops, num: Numerics) -> torch.Tensor:
+    """o [B,S,H,Dh] -> [B,S,D]: grouped wo_a (bf16, as DeepSeek's converter leaves it), wo_b,
+    and the all-reduce over the ranks' heads."""
+    o = o.flatten(-2).unflatten(-1, (a.n_groups, -1))                                       # [B,S,G,H/G*Dh]
+    z = torch.einsum("...gd,grd->...gr", o, a.wo_a.weight.unflatten(0, (a.n_groups, -1)))   # [B,S,G,o_lora]
+    return all_reduce(linear(a.wo_b, z.flatten(-2), ops, num))
+
+
+def window_rows(inp: StepInputs, W: int) -> torch.Tensor:
+    """Decode: each row's window keys as flat rows of the [slots * W, Dh] ring, -1 before 0 -> [B,W]."""
+    key_pos = inp.positions[:, :1] - W + 1 + torch.arange(W, device=inp.positions.device)       # [B,W]
+    return torch.where(key_pos >= 0, inp.slots[:, None] * W + key_pos % W, -1)
+
+
+def chunk_window(kv: torch.Tensor, inp: StepInputs, ring: torch.Tensor):
+    """Prefill: keys = these rows' ring rows [B*W,Dh] then the chunk's own keys [B*S,Dh]; each
+    query's window as rows of that -> (keys, rows [B*S,W], -1 before position 0). The ring is
+    not written yet: the chunk's earlier queries still need the rows its later keys replace."""
+    B, S, _ = kv.shape
+    W = ring.shape[1]
+    keys = torch.cat((ring[inp.slots].flatten(0, 1), kv.flatten(0, 1).to(ring.dtype)))
+    start = inp.positions[:, :1, None]                                                     # [B,1,1]
+    key_pos = inp.positions[..., None] - W + 1 + torch.arange(W, device=kv.device)         # [B,S,W]
+    row = torch.arange(B, device=kv.device)[:, None, None]
+    rows = torch.where(key_pos >= start, B * W + row * S + key_pos - start, row * W + key_pos % W)
+    return keys, torch.where(key_pos >= 0, rows, -1).flatten(0, 1)
+
+
+def entry_rows(inp: StepInputs, ratio: int, n: int) -> torch.Tensor:
+    """HCA: every entry visible to each query as flat rows of the pool, -1 past it -> [B*S,n]."""
+    pos = inp.positions                                                                    # [B,S]
+    ent = torch.arange(n, device=pos.device).expand(*pos.shape, n)
+    rows = entry_loc(inp.block_table, inp.block_tokens, ent, ratio)
+    return torch.where(ent < ((pos + 1) // ratio)[..., None], rows, -1).flatten(0, 1)
+
+
+# ---- compressor and indexer ----
+def compress(c: Compressor, x: torch.Tensor, inp: StepInputs, kv_state: torch.Tensor, score_state: torch.Tensor,
+             store: torch.Tensor, inv_freq: torch.Tensor, ops: Ops, num: Numerics):
+    """Feed x [B,S,D] into the compressor's running state; windows that complete become entries
+    in `store` [blocks, per_block, d]."""
+    sim = c.sim_of(num)
+    if not inp.decode:
+        return c.prefill(x, inp, kv_state, score_state, store.flatten(0, 1), inv_freq, sim)
+    kv, score = ops.gemm(x[:, 0], c.wkv.weight), ops.gemm(x[:, 0], c.wgate.weight)      # [B,coff*d] fp32
+    cos, sin = inp.cos_sin(f"entry/{c.ratio}", inv_freq, entry_ratio=c.ratio)             # at the entry's position
+    ops.compress_decode(kv, score, c.ape, kv_state, score_state, store.flatten(0, 1), inp.slots, inp.positions,
+                        inp.block_table, inp.block_tokens, c.norm.weight, cos, sin, c.norm.eps, c.ratio,
+                        {None: SIM_NONE, "fp8": SIM_FP8, "fp4": SIM_FP4}[sim])
+
+
+def indexer(ix: Indexer, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            inp: StepInputs, cache: LayerCache, n: int, inv_freq: torch.Tensor, ops: Ops, num: Numerics):
+    """Update the indexer keys, score each query against the first n entries of its sequence
+    -> the top-k entries' flat pool rows [B*S,k] (-1 where none)."""
+    B, S, _ = x.shape
+    compress(ix.compressor, x, inp, cache.idx_kv_state, cache.idx_score_state, cache.idx_k, inv_freq, ops, num)
+    q = linear(ix.wq_b, qr, ops, num).unflatten(-1, (ix.n_heads, ix.head_dim))           # [B,S,h,d]
+    q = ops.rope_q(q, cos, sin, fp4=num.indexer_fp4)                  # RoPE (then Hadamard + FP4)
+    w = up(linear(ix.weights_proj, x, ops, num)) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)   # [B,S,h]
+    visible = inp.once(("visible entries", ix.ratio), lambda: ((inp.positions + 1) // ix.ratio).flatten())
+    table = inp.block_table if S == 1 else inp.block_table.repeat_interleave(S, 0)           # [B*S,blocks]
+    k = max(1, min(ix.topk, n))
+    return ops.indexer_topk(q.flatten(0, 1).contiguous(), w.flatten(0, 1).contiguous(), cache.idx_k.flatten(0, 1),
+                            table, inp.block_tokens // ix.ratio, visible, k, max(n, 1))[1]
+
+
+# ---- MoE ----
+def moe(m: MoE, x: torch.Tensor, ids: torch.Tensor, ops: Ops, num: Numerics) -> torch.Tensor:
+    """x [B,S,D], ids [B,S] (hash routing) -> [B,S,D]: routed experts + shared expert, one all-reduce."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])                                                          # [T,D]
+    w, idx = route(m.gate, x, ids.reshape(-1), ops)                                      # [T,k] fp32, ids
+    e = m.experts
+    if e.packed is not None:     # W4A16: in reference numerics only the input gets the FP8 rounding
+        y = up(ops.fused_moe(ops.fp8_sim(x, 128) if num.act_fp8 and e.quantized else x, w, idx, e.packed, e.limit))
+    else:
+        y = e(x, w, idx)         # the torch experts on the dequantised weights (CPU, small models)
+    s = m.shared_experts
+    if s is not None:
+        g, u = linear(s.w1, x, ops, num), linear(s.w3, x, ops, num)
+        y = y + up(linear(s.w2, swiglu(g, u, s.limit).to(x.dtype), ops, num))
+    return all_reduce(y).to(x.dtype).reshape(shape)
+
+
+def route(gate, x: torch.Tensor, ids: torch.Tensor, ops: Ops):
+    """x [T,D], token ids [T] -> routing weights [T,k] fp32, expert ids [T,k]."""
+    if gate.score_func != "sqrtsoftplus":     # the router kernel scores by sqrt(softplus) only
+        return gate(x, ids)
+    logits = ops.gemm(x, gate.weight)                                                     # [T,E] fp32
+    if gate.is_hash:
+        return ops.route(logits, gate.topk, gate.route_scale, tid2eid=gate.tid2eid, token_ids=ids,
+                         renorm=gate.norm_topk)
+    return ops.route(logits, gate.topk, gate.route_scale, bias=gate.bias, renorm=gate.norm_topk)
