@@ -18,12 +18,15 @@ class ModelRunner:
 
     # A step is described by a plain dict (host ints and lists) so that, under tensor
     # parallelism, rank 0 can send the same description to every rank (engine.parallel.worker).
-    def prefill(self, seq: Sequence, start: int, n: int) -> torch.Tensor:
-        """Feed seq's tokens [start, start+n) -> logits of the last one [1,V]."""
-        return self.execute({
-            "ids": [seq.tokens[start:start + n]], "positions": [list(range(start, start + n))],
-            "slots": [seq.slot], "blocks": [seq.blocks], "starts": [start],
-            "reset": [seq.slot] if start == 0 else []})
+    def prefill(self, seq: Sequence, start: int, n: int, all_logits: bool = False) -> torch.Tensor:
+        """Feed seq's tokens [start, start+n) -> logits of the last one [1,V], or with
+        `all_logits` of each of the n [1,n,V] (for prompt logprobs)."""
+        step = {"ids": [seq.tokens[start:start + n]], "positions": [list(range(start, start + n))],
+                "slots": [seq.slot], "blocks": [seq.blocks], "starts": [start],
+                "reset": [seq.slot] if start == 0 else []}
+        if all_logits:
+            step["all_logits"] = True  # in the step dict, so tensor-parallel ranks gather them too
+        return self.execute(step)
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each sequence's newest token, all in one call -> logits [B,V]."""
@@ -58,4 +61,5 @@ def run_step(model, cache: KVCache, step: dict, device, graphs=None) -> torch.Te
         slots=torch.tensor(step["slots"], device=device), positions=positions,
         block_table=torch.tensor(table, dtype=torch.long, device=device), block_tokens=cache.block_tokens,
         max_len=max(p[-1] for p in step["positions"]) + 1, starts=step["starts"])
-    return model.forward_step(torch.tensor(step["ids"], device=device), ctx, cache.layers)
+    return model.forward_step(torch.tensor(step["ids"], device=device), ctx, cache.layers,
+                              all_logits=step.get("all_logits", False))

@@ -114,11 +114,13 @@ class Transformer(nn.Module):
         return self.logits(self.hidden(input_ids))
 
     @torch.inference_mode()
-    def forward_step(self, input_ids: torch.Tensor, ctx, caches) -> torch.Tensor:
+    def forward_step(self, input_ids: torch.Tensor, ctx, caches, all_logits: bool = False) -> torch.Tensor:
         """The engine's step: ids [B,S] at ctx.positions against the per-layer caches (updated
-        in place) -> fp32 logits of each row's last token [B,V]."""
+        in place) -> fp32 logits of each row's last token [B,V], or with `all_logits` of every
+        position [B,S,V] (prompt logprobs need them; the head then costs S times more)."""
         attn = [partial(layer.attn.forward_cached, ctx=ctx, cache=c) for layer, c in zip(self.layers, caches)]
-        return self.logits(self.hidden(input_ids, attn)[:, -1])
+        h = self.hidden(input_ids, attn)
+        return self.logits(h if all_logits else h[:, -1])
 
     @torch.inference_mode()
     def forward_mtp(self, h_main: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
