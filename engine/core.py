@@ -35,8 +35,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: dict = field(default_factory=dict)
-    # with SamplingParams.prompt_logprobs: one entry per prompt token, the first None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, the first None; and the
+    # rank of each prompt token in its position's distribution (1 = the model's best)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
     # the first sample, for the common n == 1 case
     @property
@@ -108,9 +110,9 @@ class EngineCore:
                          detok=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens))
                 for i in range(params.n)]
         if params.prompt_logprobs is not None:
-            shared = [None]
+            shared, ranks = [None], [None]
             for s in seqs:
-                s.prompt_logprobs = shared
+                s.prompt_logprobs, s.prompt_ranks = shared, ranks
         for s in seqs:
             self.scheduler.add(s)
         self.requests[rid] = _Request(rid, text, list(ids), seqs, now)
@@ -196,9 +198,10 @@ class EngineCore:
         outs = [CompletionOutput(s.index, s.text, list(s.output_ids), s.finish_reason,
                                  list(s.logprobs) if s.params.logprobs is not None else None) for s in req.seqs]
         metrics = {"arrival": req.arrival, "first_token": req.first_token_time}
-        plp = req.seqs[0].prompt_logprobs
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, metrics,
-                             list(plp) if plp is not None else None)
+        first = req.seqs[0]
+        plp = list(first.prompt_logprobs) if first.prompt_logprobs is not None else None
+        ranks = list(first.prompt_ranks) if first.prompt_ranks is not None else None
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, metrics, plp, ranks)
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -227,15 +230,17 @@ def _record_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor):
     k = seq.params.prompt_logprobs
     m = min(logits.shape[0], len(seq.prompt_ids) - 1 - start)
     targets = torch.tensor(seq.prompt_ids[start + 1:start + 1 + m], device=logits.device)
-    chosen, top_v, top_i = [], [], []
+    chosen, ranks, top_v, top_i = [], [], [], []
     for r in range(0, m, _LOGSOFTMAX_ROWS):
         lp = torch.log_softmax(logits[r:min(m, r + _LOGSOFTMAX_ROWS)].float(), dim=-1)
         chosen.append(lp.gather(1, targets[r:r + lp.shape[0], None])[:, 0])
+        ranks.append((lp > chosen[-1][:, None]).sum(-1) + 1)
         if k:
             v, i = lp.topk(k, dim=-1)
             top_v.append(v)
             top_i.append(i)
     chosen = torch.cat(chosen).tolist()
+    seq.prompt_ranks.extend(torch.cat(ranks).tolist())
     tops_v = torch.cat(top_v).tolist() if k else [[]] * m
     tops_i = torch.cat(top_i).tolist() if k else [[]] * m
     for t, lp, ids, vals in zip(seq.prompt_ids[start + 1:start + 1 + m], chosen, tops_i, tops_v):

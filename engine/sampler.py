@@ -90,8 +90,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and not (0 <= getattr(self, name) <= MAX_LOGPROBS):
                 bad(name, f"must be in [0, {MAX_LOGPROBS}]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an int or None")
+        if self.seed is not None and not (isinstance(self.seed, int) and -(1 << 63) <= self.seed < 1 << 63):
+            bad("seed", "must be an int64 or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

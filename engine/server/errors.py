@@ -19,20 +19,22 @@ from ..core import EngineOverloaded
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 503: "server_error", 500: "server_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error", 500: "server_error"}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        return JSONResponse(self.body(), status_code=self.status, headers={**headers, **self.headers})
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -86,9 +88,11 @@ def install(app: FastAPI):
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
-        return APIError(e.status_code, str(e.detail)).response()
+        # keep Starlette's headers: a 405 must say which methods are allowed (Allow)
+        return APIError(e.status_code, str(e.detail), headers=e.headers).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception):
-        log.exception("unhandled error")
+    async def _unexpected(request: Request, e: Exception):
+        # only ever a bug: logged with its traceback; this request fails, the server goes on
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
         return APIError(500, f"internal error: {type(e).__name__}").response()
