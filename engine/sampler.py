@@ -104,7 +104,8 @@ class SamplingParams:
     def for_child(self, index: int) -> "SamplingParams":
         """Params for the index-th of n parallel samples: n=1, and a distinct
         seed so seeded children do not all produce the same text."""
-        seed = None if self.seed is None else self.seed + index
+        # wrapped into int64 (the sampler hashes the seed's 64 bits, so this is the same stream)
+        seed = None if self.seed is None else (self.seed + index + (1 << 63)) % (1 << 64) - (1 << 63)
         return dataclasses.replace(self, n=1, seed=seed)
 
 

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..async_engine import EngineDead
+from ..async_engine import EngineDead, EngineStopped
 from ..core import EngineOverloaded
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ def from_engine_error(e: BaseException) -> APIError:
     """What a request's failure inside the engine means to its client."""
     if isinstance(e, EngineOverloaded):
         return APIError(503, f"the server is overloaded: {e}", code="overloaded")
+    if isinstance(e, EngineStopped):
+        return APIError(503, str(e), code="shutting_down")
     if isinstance(e, EngineDead):
         return APIError(500, str(e), code="engine_dead")
     if isinstance(e, ValueError):  # input the engine refused (checked there too, e.g. KV cache size)
