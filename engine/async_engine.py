@@ -17,6 +17,10 @@ class EngineDead(RuntimeError):
     pass
 
 
+class EngineStopped(EngineDead):
+    """The server is shutting down: new requests are refused, in-flight ones aborted."""
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore):
         if core.driver is not None:
@@ -29,6 +33,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self.stopping = False
         self._thread.start()
 
     # ---- called from the event loop ----
@@ -37,6 +42,8 @@ class AsyncEngine:
         """Yields the request's cumulative RequestOutput after every step that advanced it."""
         if self.error is not None:
             raise EngineDead(f"the engine loop died: {self.error!r}")
+        if self.stopping:
+            raise EngineStopped("the server is shutting down")
         rid = request_id or f"req-{next(self._ids)}"
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), q)
@@ -59,10 +66,20 @@ class AsyncEngine:
     def abort(self, request_id: str):
         self._cmds.put(("abort", request_id))
 
-    def shutdown(self):
+    def stop_accepting(self):
+        """Shutdown's first half, safe from a signal handler: refuse new requests and end every
+        in-flight one now (its handler answers 503, or ends its stream), so that a server told to
+        exit is not held open by long generations; the engine thread aborts them and frees their cache."""
+        self.stopping = True
+        for rid in list(self._streams):
+            self._deliver(rid, EngineStopped("the server is shutting down; the request was aborted"))
+            self._cmds.put(("abort", rid))
+
+    def shutdown(self, timeout: float = 5.0):
+        self.stop_accepting()
         self._stop.set()
         self._cmds.put(("noop",))
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=timeout)  # a step in flight finishes; the thread is a daemon anyway
         self.core.driver = None
 
     # ---- the engine thread ----
@@ -70,7 +87,10 @@ class AsyncEngine:
         stream = self._streams.get(rid)
         if stream is not None:
             loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # that event loop is closed: nobody is waiting any more
+                pass
 
     def _handle(self, cmd):
         if cmd[0] == "add":

@@ -168,7 +168,15 @@ def _assistant_turn(msg: dict, where: str) -> dict:
     return {"content": "" if content is None else _text(content, where),
             "reasoning": _text(reasoning, where + ".reasoning_content"),
             "tool_calls": _render_tool_calls(calls, where) if calls else "",
-            "call_ids": [c.get("id") for c in calls if isinstance(c, dict)]}
+            "call_ids": [_call_id(c.get("id"), f"{where}.tool_calls[{j}].id")
+                         for j, c in enumerate(calls) if isinstance(c, dict)]}
+
+
+def _call_id(value, where: str) -> str | None:
+    """Tool call ids are strings (they key the order tool results are put back in)."""
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{where}: a tool call id must be a string, got {type(value).__name__}")
+    return value
 
 
 def _split_turns(messages: list[dict]) -> tuple[list[str], list]:
@@ -190,7 +198,7 @@ def _split_turns(messages: list[dict]) -> tuple[list[str], list]:
             text = _text(msg.get("content"), where, sep="\n\n" if is_tool else "")
             if not turns or not isinstance(turns[-1], _UserTurn):
                 turns.append(_UserTurn())
-            turns[-1].parts.append((text, msg.get("tool_call_id"), is_tool))
+            turns[-1].parts.append((text, _call_id(msg.get("tool_call_id"), where + ".tool_call_id"), is_tool))
         elif role == "assistant":
             if not turns or not isinstance(turns[-1], _UserTurn):
                 raise ValueError(f"{where}: an assistant message must follow a user or tool message")

@@ -35,6 +35,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     metrics: dict = field(default_factory=dict)
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, the first None; and the
+    # rank of each prompt token in its position's distribution (1 = the model's best)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
     # the first sample, for the common n == 1 case
     @property
@@ -105,6 +109,10 @@ class EngineCore:
         seqs = [Sequence(rid, i, list(ids), params.for_child(i) if params.n > 1 else params, arrival=now,
                          detok=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens))
                 for i in range(params.n)]
+        if params.prompt_logprobs is not None:
+            shared, ranks = [None], [None]
+            for s in seqs:
+                s.prompt_logprobs, s.prompt_ranks = shared, ranks
         for s in seqs:
             self.scheduler.add(s)
         self.requests[rid] = _Request(rid, text, list(ids), seqs, now)
@@ -130,10 +138,17 @@ class EngineCore:
         touched = {s.request_id for s in plan.finished}
         if plan.prefill is not None:
             seq, start, n = plan.prefill
-            logits = self.runner.prefill(seq, start, n)
+            want = _records_prompt_logprobs(seq, start)
+            logits = self.runner.prefill(seq, start, n, all_logits=want)
+            if want:
+                _record_prompt_logprobs(seq, start, logits[0])
+                logits = logits[:, -1]
             seq.num_computed = start + n
             if seq.num_computed == seq.num_tokens:          # the prompt (or recompute) is done
-                self._append(seq, self.runner.sample([seq], logits), 0)
+                if seq.params.max_tokens == 0:              # prefill only (prompt logprobs)
+                    self.scheduler.finish(seq, "length")
+                else:
+                    self._append(seq, self.runner.sample([seq], logits), 0)
                 touched.add(seq.request_id)
         if plan.decode:
             out = self.runner.sample(plan.decode, self.runner.decode(plan.decode))
@@ -183,10 +198,53 @@ class EngineCore:
         outs = [CompletionOutput(s.index, s.text, list(s.output_ids), s.finish_reason,
                                  list(s.logprobs) if s.params.logprobs is not None else None) for s in req.seqs]
         metrics = {"arrival": req.arrival, "first_token": req.first_token_time}
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, metrics)
+        first = req.seqs[0]
+        plp = list(first.prompt_logprobs) if first.prompt_logprobs is not None else None
+        ranks = list(first.prompt_ranks) if first.prompt_ranks is not None else None
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, metrics, plp, ranks)
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+
+# ---- prompt logprobs ----
+_LOGSOFTMAX_ROWS = 64  # rows log-softmaxed at once: at most this many [V] fp32 rows extra
+
+
+def _records_prompt_logprobs(seq: Sequence, start: int) -> bool:
+    """Whether the chunk from `start` carries the next prompt logprobs still missing (a recompute
+    after preemption, or a sibling sample that prefilled the chunk first, records nothing)."""
+    got = seq.prompt_logprobs
+    return got is not None and len(got) == start + 1 and start + 1 < len(seq.prompt_ids)
+
+
+def _record_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor):
+    """logits [n,V] of positions start.. -> entries for the prompt tokens they predict.
+
+    Position j's logits give token j+1's logprob (raw log-softmax, as for generated tokens)
+    and the k best alternatives. Row blocks keep the extra fp32 memory small; only the
+    chosen and top-k values leave the device, in one transfer."""
+    k = seq.params.prompt_logprobs
+    m = min(logits.shape[0], len(seq.prompt_ids) - 1 - start)
+    targets = torch.tensor(seq.prompt_ids[start + 1:start + 1 + m], device=logits.device)
+    chosen, ranks, top_v, top_i = [], [], [], []
+    for r in range(0, m, _LOGSOFTMAX_ROWS):
+        lp = torch.log_softmax(logits[r:min(m, r + _LOGSOFTMAX_ROWS)].float(), dim=-1)
+        chosen.append(lp.gather(1, targets[r:r + lp.shape[0], None])[:, 0])
+        ranks.append((lp > chosen[-1][:, None]).sum(-1) + 1)
+        if k:
+            v, i = lp.topk(k, dim=-1)
+            top_v.append(v)
+            top_i.append(i)
+    chosen = torch.cat(chosen).tolist()
+    seq.prompt_ranks.extend(torch.cat(ranks).tolist())
+    tops_v = torch.cat(top_v).tolist() if k else [[]] * m
+    tops_i = torch.cat(top_i).tolist() if k else [[]] * m
+    for t, lp, ids, vals in zip(seq.prompt_ids[start + 1:start + 1 + m], chosen, tops_i, tops_v):
+        entry = {t: lp}
+        for tid, v in zip(ids, vals):
+            entry.setdefault(tid, v)
+        seq.prompt_logprobs.append(entry)

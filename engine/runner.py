@@ -18,12 +18,15 @@ class ModelRunner:
 
     # A step is described by a plain dict (host ints and lists) so that, under tensor
     # parallelism, rank 0 can send the same description to every rank (engine.parallel.worker).
-    def prefill(self, seq: Sequence, start: int, n: int) -> torch.Tensor:
-        """Feed seq's tokens [start, start+n) -> logits of the last one [1,V]."""
-        return self.execute({
-            "ids": [seq.tokens[start:start + n]], "positions": [list(range(start, start + n))],
-            "slots": [seq.slot], "blocks": [seq.blocks], "starts": [start],
-            "reset": [seq.slot] if start == 0 else []})
+    def prefill(self, seq: Sequence, start: int, n: int, all_logits: bool = False) -> torch.Tensor:
+        """Feed seq's tokens [start, start+n) -> logits of the last one [1,V], or with
+        `all_logits` of each of the n [1,n,V] (for prompt logprobs)."""
+        step = {"ids": [seq.tokens[start:start + n]], "positions": [list(range(start, start + n))],
+                "slots": [seq.slot], "blocks": [seq.blocks], "starts": [start],
+                "reset": [seq.slot] if start == 0 else []}
+        if all_logits:
+            step["all_logits"] = True  # in the step dict, so tensor-parallel ranks gather them too
+        return self.execute(step)
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each sequence's newest token, all in one call -> logits [B,V]."""
@@ -74,4 +77,5 @@ def run_step(model, cache: KVCache, step: dict, device, graphs=None) -> torch.Te
         inp = step_inputs(step, device, cache.block_tokens, rows=graphs.bucket(n), width=graphs.max_blocks,
                           pad_slot=cache.pad_slot)
         return graphs.run(inp)
-    return model.forward_step(step_inputs(step, device, cache.block_tokens), cache.layers)
+    return model.forward_step(step_inputs(step, device, cache.block_tokens), cache.layers,
+                              all_logits=step.get("all_logits", False))

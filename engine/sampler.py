@@ -48,6 +48,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and this many top alternatives
     skip_special_tokens: bool = True
 
     def __post_init__(self):
@@ -80,16 +81,17 @@ class SamplingParams:
                 bad(name, "must be in [-2, 2]")
         if not (self.repetition_penalty > 0):
             bad("repetition_penalty", "must be > 0")
-        if self.max_tokens is not None and not (self.max_tokens >= 1):
-            bad("max_tokens", "must be >= 1")
+        if self.max_tokens is not None and not (self.max_tokens >= 0):
+            bad("max_tokens", "must be >= 0 (0: the prompt is only prefilled, e.g. for prompt_logprobs)")
         if not (self.min_tokens >= 0):
             bad("min_tokens", "must be >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an int or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not (0 <= getattr(self, name) <= MAX_LOGPROBS):
+                bad(name, f"must be in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None and not (isinstance(self.seed, int) and -(1 << 63) <= self.seed < 1 << 63):
+            bad("seed", "must be an int64 or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -102,7 +104,8 @@ class SamplingParams:
     def for_child(self, index: int) -> "SamplingParams":
         """Params for the index-th of n parallel samples: n=1, and a distinct
         seed so seeded children do not all produce the same text."""
-        seed = None if self.seed is None else self.seed + index
+        # wrapped into int64 (the sampler hashes the seed's 64 bits, so this is the same stream)
+        seed = None if self.seed is None else (self.seed + index + (1 << 63)) % (1 << 64) - (1 << 63)
         return dataclasses.replace(self, n=1, seed=seed)
 
 

@@ -21,6 +21,10 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # one entry per prompt token recorded so far (the first is None: nothing predicts it); the
+    # request's n samples share one list, so whichever prefills a chunk first records it
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None   # the prompt token's rank at each position
     status: Status = Status.WAITING
     finish_reason: str | None = None
     slot: int | None = None         # cache slot while running

@@ -10,6 +10,8 @@ import logging
 import os
 import sys
 
+import uvicorn
+
 log = logging.getLogger("engine.serve")
 
 
@@ -25,7 +27,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("ENGINE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $ENGINE_API_KEY, else none)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
-    p.add_argument("--max-waiting", type=int, default=None, help="queued requests beyond this get 503")
+    p.add_argument("--max-waiting", type=int, default=4096,
+                   help="sequences waiting for a slot; requests beyond this get 503 (keeps memory bounded)")
+    p.add_argument("--max-n", type=int, default=128, help="largest n (and best_of) a request may ask for")
+    p.add_argument("--max-request-seqs", type=int, default=1024,
+                   help="largest number of sequences (prompts x n) in one request")
+    p.add_argument("--max-body-mb", type=float, default=32, help="largest request body, in MiB (413 beyond)")
+    p.add_argument("--shutdown-timeout", type=float, default=5,
+                   help="seconds SIGTERM waits for connections to close before cancelling them")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if present)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p.parse_args(argv)
@@ -34,10 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
-
     from .llm import LLM, default_model_dir
     from .server.app import build_app
+    from .server.state import Limits
 
     if args.model is None:
         log.info("no --model given: using the embedded tiny checkpoint (building it if needed)")
@@ -48,7 +56,9 @@ def main(argv=None) -> int:
     except (FileNotFoundError, NotImplementedError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 2
-    app = build_app(llm, args.served_model_name, api_key=args.api_key)
+    limits = Limits(max_n=args.max_n, max_request_seqs=args.max_request_seqs,
+                    max_body_bytes=int(args.max_body_mb * (1 << 20)))
+    app = build_app(llm, args.served_model_name, api_key=args.api_key, limits=limits)
     name = app.state.server.model_name
     cache = llm.cache
     log.info("model %s served as %r on %s, tp=%d, %s, %s numerics", llm.model_path, name, llm.device, args.tp,
@@ -58,8 +68,24 @@ def main(argv=None) -> int:
              usable, cache.block_tokens, usable * cache.block_tokens, llm.max_model_len,
              llm.max_num_seqs, args.max_waiting if args.max_waiting is not None else "unlimited")
     log.info("OpenAI API at http://%s:%d/v1%s", args.host, args.port, " (API key required)" if args.api_key else "")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    _Server(config, app.state.server.engine.stop_accepting).run()
+    llm.shutdown()
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, but SIGTERM/SIGINT also abort the requests in flight at once: uvicorn alone
+    waits for every connection to close, and a long stream would hold the exit."""
+
+    def __init__(self, config, on_exit):
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig, frame):
+        self.on_exit()
+        super().handle_exit(sig, frame)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,41 @@ def test_errors(oai, base_url, llm, monkeypatch):
     assert e.value.status_code == 503
 
 
+def test_lm_eval_request_shape(oai, llm):
+    """echo + logprobs on token-id prompts (lm-eval's loglikelihood), max_tokens 1 and 0, through the
+    official client: one logprob per prompt token, the model's own (full forward) log-softmax."""
+    ids = llm.tokenizer.encode("The capital of France is Paris", add_bos=True)
+    want = torch.log_softmax(llm.model(torch.tensor([ids]))[0].double(), dim=-1)
+    for max_tokens in (1, 0):
+        out = oai.completions.create(model=MODEL, prompt=[ids], max_tokens=max_tokens, logprobs=1, echo=True,
+                                     temperature=0)
+        lp = out.choices[0].logprobs
+        assert len(lp.token_logprobs) == len(ids) + max_tokens and lp.token_logprobs[0] is None
+        for i in range(1, len(ids)):
+            ref = want[i - 1, ids[i]].item()
+            assert abs(lp.token_logprobs[i] - ref) <= 1e-4 * max(1.0, abs(ref))
+    plp = oai.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 1})
+    assert len(plp.choices[0].model_extra["prompt_logprobs"]) == len(ids)
+
+
+def test_bounds_and_bad_input_through_the_client(oai, base_url):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=1, n=10 ** 9)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 1024 tokens") as e:
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=10 ** 9)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+            {"role": "user", "content": "x"}, {"role": "tool", "content": "r", "tool_call_id": {"a": 1}}])
+    assert e.value.body["param"] == "messages"
+    headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    r = httpx.post(f"{base_url}/completions", content=b'{"prompt": "\xed\xb3\xbf"}'.decode("unicode_escape")
+                   .encode("latin-1"), headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("request body is not valid UTF-8")
+    r = httpx.get(f"{base_url}/completions", headers=headers)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+
+
 def test_concurrent_clients(base_url, llm):
     client = openai.AsyncOpenAI(base_url=base_url, api_key=KEY, max_retries=0, timeout=60)
 

@@ -139,7 +139,27 @@ def build_config(preset="tiny"):
     }
     cfg.update(json.loads(json.dumps(p)))  # deep copy so callers can't mutate PRESETS
     check_config(cfg)
+    cfg.update(hf_layer_fields(cfg))
     return dict(sorted(cfg.items()))
+
+
+_HF_KIND = {0: "sliding_attention", 4: "compressed_sparse_attention"}
+
+
+def hf_layer_fields(cfg: dict) -> dict:
+    """transformers' per-layer fields (layer_types, compress_rates, mlp_layer_types).
+
+    transformers maps the legacy `compress_ratios` through a fixed {0, 4, 128} table, so the
+    tiny preset's HCA ratio 16 made AutoConfig fail with KeyError: 16. Given `layer_types`
+    and `compress_rates` it takes them instead; the engine still reads `compress_ratios`."""
+    ratios = cfg["compress_ratios"][:cfg["num_hidden_layers"]]
+    hca = sorted({r for r in ratios if r not in _HF_KIND}) or [128]
+    if len(hca) > 1:
+        raise ValueError(f"transformers supports one heavily-compressed ratio, got {hca}")
+    return {"layer_types": [_HF_KIND.get(r, "heavily_compressed_attention") for r in ratios],
+            "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": hca[0]},
+            "mlp_layer_types": ["hash_moe" if i < cfg["num_hash_layers"] else "moe"
+                                for i in range(cfg["num_hidden_layers"])]}
 
 
 def check_config(cfg):

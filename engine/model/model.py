@@ -132,10 +132,12 @@ class Transformer(nn.Module):
         return self.logits(self.hidden(input_ids))
 
     @torch.inference_mode()
-    def forward_step(self, inp: StepInputs, caches: list[LayerCache]) -> torch.Tensor:
+    def forward_step(self, inp: StepInputs, caches: list[LayerCache], all_logits: bool = False) -> torch.Tensor:
         """The engine's step (engine.model.step): inp.ids [B,S] at inp.positions against the
-        per-layer caches (updated in place) -> fp32 logits of each row's last token [B,V]."""
-        return step.forward(self, inp, caches)
+        per-layer caches (updated in place) -> fp32 logits of each row's last token [B,V], or with
+        `all_logits` of every position [B,S,V] (prompt logprobs need them; the head then costs S
+        times more)."""
+        return step.forward(self, inp, caches, all_logits)
 
     @torch.inference_mode()
     def forward_mtp(self, h_main: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:

@@ -28,13 +28,14 @@ from .linear import Linear
 from .moe import MoE, swiglu
 
 
-def forward(model, inp: StepInputs, caches: list[LayerCache]) -> torch.Tensor:
-    """inp.ids [B,S] at inp.positions -> fp32 logits of each row's last token [B,V]; caches updated."""
+def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits: bool = False) -> torch.Tensor:
+    """inp.ids [B,S] at inp.positions -> fp32 logits of each row's last token [B,V] (all_logits:
+    of every position [B,S,V]); caches updated."""
     ops, num = model.ops, model.numerics
     h = model.embed(inp.ids)[:, :, None, :].expand(-1, -1, model.cfg.hc_mult, -1).contiguous()   # [B,S,hc,D]
     for layer, cache in zip(model.layers, caches):
         h = block(layer, h, inp, cache, ops, num)
-    return model.logits(h[:, -1])
+    return model.logits(h if all_logits else h[:, -1])
 
 
 def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Ops, num: Numerics) -> torch.Tensor:

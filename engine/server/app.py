@@ -1,33 +1,37 @@
 """The FastAPI app: routes, API key, error bodies, metrics. HTTP only; the engine does the work.
 
 Bodies are parsed by hand rather than by FastAPI so the order of checks is the client's
-contract: API key (401), then JSON and fields (400), then model name (404).
+contract: API key (401), then size (413), JSON and fields (400), then model name (404).
 """
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from ..async_engine import AsyncEngine
-from . import errors
+from . import errors, openapi
+from .body import read_json
 from .chat_completions import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, bad_request
 from .metrics import MetricsMiddleware, ServerMetrics
 from .schemas import ChatCompletionRequest, CompletionRequest
-from .state import ServerState
+from .state import Limits, ServerState
+from .tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 
 log = logging.getLogger(__name__)
 
+_BODY_ERRORS = (400, 401, 404, 413)
 
-def build_app(llm, served_model_name: str | None = None, api_key: str | None = None) -> FastAPI:
+
+def build_app(llm, served_model_name: str | None = None, api_key: str | None = None,
+              limits: Limits | None = None) -> FastAPI:
     """An app serving `llm`. Apps built over the same LLM share its one AsyncEngine loop;
     the app that started the loop stops it when it shuts down."""
     core = llm.engine
@@ -37,7 +41,7 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
     if llm.tokenizer.is_byte_level:
         llm.tokenizer.token_bytes(0)  # build the byte table (seconds) now, not in the first request
     state = ServerState(engine, llm.tokenizer, name, str(llm.model_path), llm.max_model_len,
-                        llm.model.cfg.vocab_size, ServerMetrics(core))
+                        llm.model.cfg.vocab_size, ServerMetrics(core), limits or Limits())
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -50,6 +54,11 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
     app.state.server = state
     errors.install(app)
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
+    openapi.install(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest},
+                    {"/v1/completions": _BODY_ERRORS + (503,), "/v1/chat/completions": _BODY_ERRORS + (503,),
+                     "/tokenize": _BODY_ERRORS, "/detokenize": _BODY_ERRORS, "/v1/models": (401,),
+                     "/v1/models/{model}": (401, 404), "/health": (503,), "/tokenizer_info": (401,)})
 
     def authorize(request: Request):
         if api_key is None:
@@ -66,13 +75,7 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
 
     async def parse(request: Request, schema: type[BaseModel]) -> BaseModel:
         authorize(request)
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise bad_request(f"request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise bad_request("request body must be a JSON object")
+        body = await read_json(request, state.limits.max_body_bytes)
         try:
             req = schema.model_validate(body)
         except ValidationError as e:
@@ -106,14 +109,28 @@ def build_app(llm, served_model_name: str | None = None, api_key: str | None = N
     async def chat_completions(request: Request):
         return await create_chat_completion(state, request, await parse(request, ChatCompletionRequest))
 
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return tokenize(state, await parse(request, TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return detokenize(state, await parse(request, DetokenizeRequest))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route(request: Request):
+        authorize(request)
+        return tokenizer_info(state)
+
     @app.get("/health")
     async def health():
         if engine.error is not None:
             return JSONResponse(errors.error_body(503, f"the engine loop died: {engine.error!r}"), status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
+        """Prometheus text exposition format."""
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

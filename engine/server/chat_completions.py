@@ -12,8 +12,8 @@ from fastapi.responses import JSONResponse, Response
 
 from ..chat import StreamingParser, parse_completion
 from ..core import CompletionOutput, RequestOutput
-from .inputs import chat_params, chat_prompt
-from .logprobs import chat_logprobs
+from .inputs import chat_params, chat_prompt, check_context, check_n
+from .logprobs import chat_logprobs, vllm_prompt_logprobs
 from .schemas import ChatCompletionRequest
 from .serving import ClientGone, collect, event_stream, prime, usage
 from .state import ServerState, new_id
@@ -121,8 +121,11 @@ class _Stream:
 
 async def create_chat_completion(state: ServerState, request: Request, req: ChatCompletionRequest) -> Response:
     state.check_overload()
+    check_n(req, state.max_n)
     prompt, thinking = chat_prompt(req, state.tokenizer, state.vocab_size, state.max_model_len)
     params = chat_params(req)
+    check_context([prompt], params.max_tokens, "max_completion_tokens" if req.max_completion_tokens is not None
+                  else "max_tokens", state.max_model_len)
     rid, created = new_id("chatcmpl"), int(time.time())
     group = RequestGroup(state.engine, [prompt.ids], params, rid, state.metrics)
     if req.stream:
@@ -136,5 +139,8 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
     top = (req.top_logprobs or 0) if req.logprobs else None
     single = req.parallel_tool_calls is False
     choices = [chat_choice(state.tokenizer, c.index, c, thinking, top, single) for c in final.outputs]
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-                         "choices": choices, "usage": usage([len(prompt.ids)], [final])})
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
+            "choices": choices, "usage": usage([len(prompt.ids)], [final])}
+    if req.prompt_logprobs is not None:  # vLLM puts them beside the choices
+        body["prompt_logprobs"] = vllm_prompt_logprobs(state.tokenizer, final.prompt_logprobs, final.prompt_ranks)
+    return JSONResponse(body)

@@ -13,26 +13,28 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..async_engine import EngineDead
+from ..async_engine import EngineDead, EngineStopped
 from ..core import EngineOverloaded
 
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 503: "server_error", 500: "server_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error", 500: "server_error"}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        return JSONResponse(self.body(), status_code=self.status, headers={**headers, **self.headers})
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -48,6 +50,8 @@ def from_engine_error(e: BaseException) -> APIError:
     """What a request's failure inside the engine means to its client."""
     if isinstance(e, EngineOverloaded):
         return APIError(503, f"the server is overloaded: {e}", code="overloaded")
+    if isinstance(e, EngineStopped):
+        return APIError(503, str(e), code="shutting_down")
     if isinstance(e, EngineDead):
         return APIError(500, str(e), code="engine_dead")
     if isinstance(e, ValueError):  # input the engine refused (checked there too, e.g. KV cache size)
@@ -86,9 +90,11 @@ def install(app: FastAPI):
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
-        return APIError(e.status_code, str(e.detail)).response()
+        # keep Starlette's headers: a 405 must say which methods are allowed (Allow)
+        return APIError(e.status_code, str(e.detail), headers=e.headers).response()
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception):
-        log.exception("unhandled error")
+    async def _unexpected(request: Request, e: Exception):
+        # only ever a bug: logged with its traceback; this request fails, the server goes on
+        log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=e)
         return APIError(500, f"internal error: {type(e).__name__}").response()

@@ -32,6 +32,7 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM extension
     ignore_eos: bool = False              # vLLM extension
+    prompt_logprobs: int | None = None    # vLLM extension: per prompt token, with this many alternatives
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None               # accepted, not used
@@ -63,18 +64,60 @@ class CompletionRequest(_Sampling):
             return "suffix", "suffix (insertion) is not supported"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", f"best_of must equal n ({self.n}): ranking candidates is not supported"
-        if self.echo and self.logprobs is not None:
-            return "echo", ("echo with logprobs is not supported: it needs prompt logprobs, "
-                            "which this engine does not compute")
         return super().unsupported()
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    """One chat message, typed as OpenAI types it (a tool_call_id that is an object is a 400,
+    not a crash in the encoder); engine.chat reads it back as a dict, vendor keys kept."""
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str = "function"
+    function: FunctionDef
+
+
 class ChatCompletionRequest(_Sampling):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None   # false: only the first call is returned
     chat_template_kwargs: dict[str, Any] | None = None  # thinking, reasoning_effort
@@ -87,6 +130,13 @@ class ChatCompletionRequest(_Sampling):
     modalities: list[str] | None = None
     prediction: Any = None
     web_search_options: Any = None
+
+    def message_dicts(self) -> list[dict]:
+        """The messages as the client sent them (typed fields checked; vendor keys kept)."""
+        return [m.model_dump(exclude_unset=True) for m in self.messages]
+
+    def tool_dicts(self) -> list[dict] | None:
+        return None if self.tools is None else [t.model_dump(exclude_unset=True) for t in self.tools]
 
     def unsupported(self) -> tuple[str, str] | None:
         fmt = (self.response_format or {}).get("type", "text")

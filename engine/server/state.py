@@ -12,6 +12,15 @@ from .metrics import ServerMetrics
 
 
 @dataclass
+class Limits:
+    """What one request may take, so that no single request can hold the server: n (and
+    best_of) as OpenAI caps them, sequences per request (prompts x n), and the body's bytes."""
+    max_n: int = 128
+    max_request_seqs: int = 1024
+    max_body_bytes: int = 32 << 20
+
+
+@dataclass
 class ServerState:
     engine: AsyncEngine
     tokenizer: Tokenizer
@@ -20,7 +29,19 @@ class ServerState:
     max_model_len: int
     vocab_size: int
     metrics: ServerMetrics
+    limits: "Limits" = None
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        self.limits = self.limits or Limits()
+
+    @property
+    def max_n(self) -> int:
+        return self.limits.max_n
+
+    @property
+    def max_request_seqs(self) -> int:
+        return self.limits.max_request_seqs
 
     def check_overload(self):
         # The engine checks too (and a stream is primed, so that 503 still arrives as a status);
