@@ -71,6 +71,7 @@ class Transformer(nn.Module):
         from ..kernels import use_kernel
 
         if not (self.head.weight.is_cuda and self.dtype == torch.bfloat16):
+            self.log_moe_paths()
             return self
         if use_kernel("fp8_gemm"):
             self.pack_fp8()
@@ -83,7 +84,26 @@ class Transformer(nn.Module):
         for m in self.modules():   # NVFP4 codes the loader kept but no kernel took: free them
             if isinstance(m, Experts) and m.packed is None:
                 m.nvfp4_parts = None
+        self.log_moe_paths()
         return self
+
+    def moe_paths(self) -> dict[str, list[int]]:
+        """{"fused": layers whose routed experts are packed for the fused MoE kernel, "torch": the
+        layers that run the torch expert loop (CPU, or weights the kernel could not take)}."""
+        paths = {"fused": [], "torch": []}
+        for i, layer in enumerate(self.layers):
+            paths["fused" if layer.ffn.experts.packed is not None else "torch"].append(i)
+        return paths
+
+    def log_moe_paths(self):
+        """One line at start: which layers run which MoE path; a warning when CUDA layers fall back."""
+        paths, fmt = self.moe_paths(), self.cfg.expert_dtype
+        line = (f"MoE ({fmt} experts): fused kernel on {_spans(paths['fused']) or 'no'} layers, "
+                f"torch on {_spans(paths['torch']) or 'no'} layers")
+        if paths["torch"] and self.head.weight.is_cuda:
+            log.warning("%s (the torch path is the slow fallback)", line)
+        else:
+            log.info("%s", line)
 
     def hidden(self, input_ids: torch.Tensor, attn_fns=None) -> torch.Tensor:
         """ids [B,S] -> the last block's output streams [B,S,hc,D]."""
@@ -129,3 +149,15 @@ class Transformer(nn.Module):
         mtp = self.mtp[0]
         h = mtp.hidden(h_main, self.embed(next_ids), next_ids)
         return self.head_logits(mtp.collapse(h))
+
+
+def _spans(ids: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+    out, start = [], None
+    for j, i in enumerate(ids):
+        if start is None:
+            start = i
+        if j + 1 == len(ids) or ids[j + 1] != i + 1:
+            out.append(f"{start}-{i}" if i > start else f"{i}")
+            start = None
+    return ",".join(out)
