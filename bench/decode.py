@@ -288,6 +288,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     logging_setup()
+    import engine
+
+    print(f"engine under test: {Path(engine.__file__).parent} (variant {args.variant})", flush=True)
     bw, peak = measure_bandwidth(), measure_bf16_peak()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
     rows = run_baseline(args) if args.baseline else []     # first: one model in GPU memory at a time
