@@ -72,11 +72,11 @@ class LLM:
         # the one build path every rank takes (engine.rank.build): with tp > 1 every rank captures
         # the same buckets in the same order, so the all-reduces inside the captures meet
         self.model, self.cache, graphs = rank.build(path, self.device, self.dtype, numerics, max_num_seqs,
-                                               self.max_model_len, num_blocks, use_graphs)
+                                                    self.max_model_len, num_blocks, use_graphs)
         self.tokenizer = None
         if not skip_tokenizer_init:
             from .tokenizer import Tokenizer
-            
+
             self.tokenizer = Tokenizer.from_dir(path)
         self.engine = EngineCore(self.model, self.tokenizer, self.cache, max_num_seqs, self.max_model_len,
                                  chunk_size, max_waiting)
