@@ -95,8 +95,10 @@ def simulate_rank(rank: int, tp: int):
 
 
 def build(layers: int, tp: int, experts: str = "mxfp4"):
+    # nvfp4: W4A16 experts as NVIDIA's checkpoint declares them (no FP8 rounding of their inputs)
     cfg = ModelConfig.from_dict({**REAL, "num_hidden_layers": layers, "compress_ratios": RATIOS[:layers],
-                                 "num_hash_layers": min(3, layers)})
+                                 "num_hash_layers": min(3, layers),
+                                 "expert_dtype": "nvfp4" if experts == "nvfp4" else "fp4"})
     simulate_rank(0, tp)
     with torch.device("meta"):
         model = Transformer(cfg, dtype=torch.bfloat16, with_mtp=False)
