@@ -1,30 +1,51 @@
 """The whole decode step of one tensor-parallel rank at DeepSeek-V4-Flash's real dims.
 
     python bench/decode.py [--tp 8] [--layers 43] [--contexts 1024,8192,32768] [--batches 1,4,16,64]
-                           [--quick] [--out results.json]
+                           [--experts mxfp4|nvfp4] [--baseline DIR] [--quick] [--out results.json]
 
 One rank of TP=N is built in memory with random weights in the real formats (FP8 attention
-projections and shared expert, experts as the MoE path holds them), the collectives
-skipped (engine.parallel.state.simulate) and their cost added from a latency model. For
-each context and batch: step time eager and under a CUDA graph (median of CUDA-event
-timings after warm-up), tok/s, bytes the step must read against the measured HBM
-bandwidth, and a torch.profiler breakdown by kernel class of one eager step.
+projections and shared expert; routed experts rounded onto the MXFP4 (or NVFP4) grid, so they
+pack for the fused MoE kernel as a checkpoint's do: any expert left on the torch fallback is an
+error), the collectives answered by a simulated process group (engine.parallel.state.init_simulated)
+and their cost added from a latency model. For each context and batch: step time eager and under a
+CUDA graph (median of CUDA-event timings after warm-up), tok/s, kernel launches per step (and per
+layer), bytes the step must read against the measured HBM bandwidth (roofline_ms, achieved_tbs),
+and a torch.profiler breakdown by kernel class of one eager step.
+
+--baseline DIR: DIR is a checkout of an older commit (`git worktree add /tmp/base c478b5a`). The
+same measurement then runs first with DIR's engine in a subprocess (this script, with DIR first on
+the path: the grid rounding and bookkeeping are this tree's, the model and kernels DIR's) and the
+rows print side by side, labelled by variant ("HEAD" and DIR's commit).
 """
 import argparse
 import json
 import math
-import re
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
-import torch
+HERE = Path(__file__).resolve().parent
+# the engine under test: this tree, or the --baseline tree a parent run points us at; then this
+# tree's bench helpers as top-level modules (the baseline tree has none of them)
+TREE = Path(os.environ.get("DECODE_BENCH_TREE") or HERE.parent).resolve()
+sys.path[:0] = [str(TREE), str(HERE)]
 
-from engine.cache import KVCache
-from bench.timing import graphed
-from engine.kernels import set_kernels
-from engine.model.config import ModelConfig
-from engine.model.kv_cache import StepContext
-from engine.model.model import Transformer
-from engine.parallel import state
+import torch  # noqa: E402
+
+from decode_grid import round_experts_mxfp4, round_experts_nvfp4, unpacked_experts  # noqa: E402
+from decode_rows import classify, format_row, make_row, side_by_side, HEADER  # noqa: E402
+from timing import graphed  # noqa: E402
+
+from engine.cache import KVCache  # noqa: E402
+from engine.kernels import set_kernels  # noqa: E402
+from engine.model import formats  # noqa: E402
+from engine.model.config import ModelConfig  # noqa: E402
+from engine.model import kv_cache  # noqa: E402
+from engine.model.model import Transformer  # noqa: E402
+from engine.parallel import state  # noqa: E402
 
 REAL = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
             num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8,
@@ -35,12 +56,6 @@ REAL = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num
             max_position_embeddings=1048576, num_nextn_predict_layers=0, expert_dtype="fp4",
             quantization_config=dict(quant_method="fp8", fmt="e4m3", scale_fmt="ue8m0", weight_block_size=[128, 128]))
 RATIOS = [0, 0] + [4, 128] * 20 + [4]
-
-CLASSES = [("attention", r"sparse_mqa|_split_kernel|_combine_kernel|_naive"),
-           ("indexer", r"_score_kernel|_topk_kernel|indexer"),
-           ("moe", r"moe|_gate_up|_down"),
-           ("dense_gemm", r"fp8_gemm|gemm|gemv|cutlass|sm90_|ampere|Kernel2|splitK|bmm|matmul"),
-           ("glue", r".")]
 
 
 def measure_bandwidth() -> float:
@@ -72,10 +87,19 @@ def timed(fn, reps=30, warmup=3) -> float:
     return statistics.median(times)
 
 
-def build(layers: int, tp: int):
+def simulate_rank(rank: int, tp: int):
+    """One rank of tp with no other process: this tree's explicit simulated group, or an older
+    tree's state.simulate (a baseline run)."""
+    init = getattr(state, "init_simulated", None)
+    (init or state.simulate)(rank, tp)
+
+
+def build(layers: int, tp: int, experts: str = "mxfp4"):
+    # nvfp4: W4A16 experts as NVIDIA's checkpoint declares them (no FP8 rounding of their inputs)
     cfg = ModelConfig.from_dict({**REAL, "num_hidden_layers": layers, "compress_ratios": RATIOS[:layers],
-                                 "num_hash_layers": min(3, layers)})
-    state.simulate(0, tp)
+                                 "num_hash_layers": min(3, layers),
+                                 "expert_dtype": "nvfp4" if experts == "nvfp4" else "fp4"})
+    simulate_rank(0, tp)
     with torch.device("meta"):
         model = Transformer(cfg, dtype=torch.bfloat16, with_mtp=False)
     model = model.to_empty(device="cuda")
@@ -90,14 +114,21 @@ def build(layers: int, tp: int):
         for name, b in model.named_buffers():
             if name.endswith("tid2eid"):
                 b.copy_(torch.randint(0, cfg.n_routed_experts, b.shape, device="cuda", generator=g))
-            elif name.endswith("inv_freq"):
-                pass
-    for layer in model.layers:   # rotary tables were built on meta: rebuild them
-        from engine.model.rope import layer_inv_freq
+    from engine.model.rope import layer_inv_freq
 
+    for layer in model.layers:   # rotary tables were built on meta: rebuild them
         layer.attn.inv_freq = layer_inv_freq(cfg, layer.layer).cuda()
+    # the experts on the FP4 grid, so that prepare_kernels packs them for the fused MoE kernel
+    if experts == "nvfp4":
+        round_experts_nvfp4(model, formats.nvfp4_quant, formats.nvfp4_dequant)
+    else:
+        round_experts_mxfp4(model, formats.mxfp4_quant, formats.mxfp4_dequant)
     model.set_numerics("reference").eval()
     model.prepare_kernels()
+    left = unpacked_experts(model)
+    if left:
+        raise RuntimeError(f"{len(left)} experts modules did not pack for the fused MoE kernel ({left[:3]} ...): "
+                           "the bench would time the torch fallback, not the engine's decode step")
     return cfg, model
 
 
@@ -113,12 +144,8 @@ def step_bytes(model, cfg, tp: int, batch: int, ctx_len: int) -> int:
             total += m.qweight.numel() + m.qscale.numel()
     E, k = cfg.n_routed_experts, cfg.n_activated_experts
     touched = E * (1 - (1 - 1 / E) ** (batch * k))                  # expected distinct experts
-    experts = model.layers[0].ffn.experts
-    if experts.packed is not None:
-        p = experts.packed
-        per_expert = sum(t.numel() * t.element_size() for t in (p.w13, p.s13, p.w2, p.s2)) // p.E
-    else:
-        per_expert = sum(getattr(experts, w)[0].numel() * getattr(experts, w).element_size() for w in ("w1", "w2", "w3"))
+    p = model.layers[0].ffn.experts.packed
+    per_expert = sum(t.numel() * t.element_size() for t in (p.w13, p.s13, p.w2, p.s2)) // p.E
     total += int(cfg.n_layers * touched * per_expert)
     kv = 0
     for i in range(cfg.n_layers):
@@ -129,13 +156,6 @@ def step_bytes(model, cfg, tp: int, batch: int, ctx_len: int) -> int:
         elif r:
             kv += ctx_len // r * cfg.head_dim * 2
     return total + batch * kv
-
-
-def classify(name: str) -> str:
-    for cls, pat in CLASSES:
-        if re.search(pat, name, re.IGNORECASE):
-            return cls
-    return "glue"
 
 
 def breakdown(run) -> dict:
@@ -157,41 +177,51 @@ def breakdown(run) -> dict:
     return out
 
 
-def allreduce_us(batch: int, layers: int, tp: int, alpha_us=8.0, beta_gbs=150.0) -> float:
-    """Assumed NCCL all-reduce cost (no multi-GPU machine was lent to measure it): alpha + bytes/beta
-    per call, 2 per layer (attention, MoE) plus the embedding; bf16 [batch, 4096] messages."""
-    if tp == 1:
-        return 0.0
-    msg = batch * 4096 * 2
-    per = alpha_us + 2 * (tp - 1) / tp * msg / (beta_gbs * 1e3)
-    return (2 * layers + 1) * per
+def use_kernels(model, kset: str):
+    """This tree: the model's Ops are chosen at prepare_kernels (and graphs capture them); an older
+    tree (a --baseline run) read a global switch while the step was traced."""
+    names = None if kset == "default" else kset
+    if hasattr(model, "ops"):
+        model.prepare_kernels(names)
+    else:
+        set_kernels(names)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=43)
-    ap.add_argument("--contexts", default="1024,8192,32768")
-    ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
-    ap.add_argument("--quick", action="store_true", help="a few layers, batches and contexts")
-    ap.add_argument("--no-graphs", action="store_true")
-    ap.add_argument("--kernel-sets", default="default",
-                    help="';'-separated ENGINE_KERNELS values run side by side on the same model, e.g. "
-                         "'sparse_attn,indexer,bf16_gemm,fused_moe;default' (before/after the glue kernels)")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.quick:
-        args.layers, args.contexts, args.batches = min(args.layers, 4), "1024,8192", "1,16,64"
-    bw, peak = measure_bandwidth(), measure_bf16_peak()
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
-    cfg, model = build(args.layers, args.tp)
-    contexts = [int(c) for c in args.contexts.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
+def step_fn(model, cache, ids, slots, positions, table, ctx_len):
+    """One decode step at the given buffers, with fresh per-step inputs each call (as the runner
+    makes one per step: they memoise the rope tables): StepInputs here, StepContext in an older tree."""
+    if hasattr(kv_cache, "StepInputs"):
+        return lambda: model.forward_step(kv_cache.StepInputs(ids, positions, slots, table, cache.block_tokens, ctx_len),
+                                          cache.layers)
+    return lambda: model.forward_step(ids, kv_cache.StepContext(slots, positions, table, cache.block_tokens, ctx_len),
+                                      cache.layers)
+
+
+def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
+    """One (context, batch, kernel set): eager and graph step times, the profile, the roofline."""
+    slots, positions = torch.arange(B, device="cuda"), torch.full((B, 1), ctx_len - 1, device="cuda")
+    run = step_fn(model, cache, ids, slots, positions, table, ctx_len)
+    with torch.inference_mode():
+        t_eager = timed(run, reps=10)
+        t_graph = None
+        if not args.no_graphs:
+            replay = graphed(run)
+            t_graph = timed(replay, reps=20)
+            del replay
+        br = breakdown(run)
+    row = make_row(ctx=ctx_len, batch=B, variant=args.variant, kernel_set=kset, layers=cfg.n_layers, tp=args.tp,
+                   eager_s=t_eager, graph_s=t_graph, nbytes=step_bytes(model, cfg, args.tp, B, ctx_len),
+                   bandwidth=bw, breakdown=br)
+    print(format_row(row), flush=True)
+    return row
+
+
+def run_all(args, bw) -> list[dict]:
+    cfg, model = build(args.layers, args.tp, args.experts)
     rows = []
-    print(f"{'ctx':>6} {'B':>4} {'eager ms':>9} {'graph ms':>9} {'x':>5} {'tok/s':>8} {'+AR tok/s':>9} "
-          f"{'roofline ms':>11} {'ach TB/s':>8}  breakdown (eager, ms)")
-    for ctx_len in contexts:
-        for B in batches:
+    print(HEADER)
+    for ctx_len in [int(c) for c in args.contexts.split(",")]:
+        for B in [int(b) for b in args.batches.split(",")]:
             per_seq = KVCache(cfg, 1, 1 << 30, "meta", torch.bfloat16)
             need = per_seq.slot_bytes() * (B + 1) + per_seq.block_bytes() * (per_seq.blocks_needed(ctx_len) * B + 2)
             if need > torch.cuda.mem_get_info()[0] * 0.8:
@@ -206,41 +236,97 @@ def main():
                         t.normal_()
             ids = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
             for kset in args.kernel_sets.split(";"):
-                set_kernels(None if kset == "default" else kset)
+                use_kernels(model, kset)
                 rows.append(measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset))
+            use_kernels(model, "default")
             del cache
             torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def tree_label(tree: Path) -> str:
+    """A tree's short commit, or its folder name where it is no git checkout (git archive)."""
+    try:
+        out = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=30)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return tree.name
+
+
+def child_command(args, label: str, out: str) -> list[str]:
+    """This script, rerun for a --baseline tree: the same measurement, labelled `label`, into `out`."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--tp", str(args.tp), "--layers", str(args.layers),
+           "--contexts", args.contexts, "--batches", args.batches, "--kernel-sets", args.kernel_sets,
+           "--experts", args.experts, "--variant", label, "--out", out]
+    return cmd + (["--no-graphs"] if args.no_graphs else [])
+
+
+def run_baseline(args) -> list[dict]:
+    """The same measurement with the --baseline tree's engine, in a subprocess -> its rows."""
+    tree = Path(args.baseline).resolve()
+    if not (tree / "engine" / "__init__.py").exists():
+        raise SystemExit(f"--baseline {tree}: no engine/ there (make one with `git worktree add {tree} <commit>`)")
+    label = tree_label(tree)
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "rows.json")
+        env = {**os.environ, "DECODE_BENCH_TREE": str(tree),
+               "PYTHONPATH": os.pathsep.join([str(tree)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+        print(f"--- baseline {label} ({tree}) ---", flush=True)
+        subprocess.run(child_command(args, label, out), env=env, check=True)
+        print(f"--- {args.variant} ({TREE}) ---", flush=True)
+        return json.loads(Path(out).read_text())["rows"]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description="one TP rank's decode step at V4-Flash dims (CUDA)")
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=43)
+    ap.add_argument("--contexts", default="1024,8192,32768")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--quick", action="store_true", help="a few layers, batches and contexts")
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--kernel-sets", default="default",
+                    help="';'-separated ENGINE_KERNELS values run side by side on the same model, e.g. "
+                         "'sparse_attn,indexer,bf16_gemm,fused_moe;default' (before/after the glue kernels)")
+    ap.add_argument("--experts", choices=("mxfp4", "nvfp4"), default="mxfp4",
+                    help="the grid the random routed experts are rounded onto (the fused MoE packs either)")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="also measure the engine of this checkout (an older commit), side by side")
+    ap.add_argument("--variant", default="HEAD", help="this tree's label in the rows")
+    ap.add_argument("--out", default=None, help="write the rows (all variants) as JSON")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.layers, args.contexts, args.batches = min(args.layers, 4), "1024,8192", "1,16,64"
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    logging_setup()
+    import engine
+
+    print(f"engine under test: {Path(engine.__file__).parent} (variant {args.variant})", flush=True)
+    bw, peak = measure_bandwidth(), measure_bf16_peak()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    rows = run_baseline(args) if args.baseline else []     # first: one model in GPU memory at a time
+    rows += run_all(args, bw)
+    if args.baseline:
+        print("\n".join(side_by_side(rows)))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), bandwidth=bw, bf16_peak=peak, tp=args.tp,
-                           layers=args.layers, rows=rows), f, indent=1)
+                           layers=args.layers, experts=args.experts, rows=rows), f, indent=1)
 
 
-def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
-    """One (context, batch, kernel set): eager and graph step times, the profile, the roofline."""
-    slots, positions = torch.arange(B, device="cuda"), torch.full((B, 1), ctx_len - 1, device="cuda")
-    # a fresh StepContext per call, as the runner makes one per step (it memoises the rope tables)
-    run = lambda: model.forward_step(ids, StepContext(slots, positions, table, cache.block_tokens, ctx_len),  # noqa: E731
-                                     cache.layers)
-    with torch.inference_mode():
-        t_eager = timed(run, reps=10)
-        t_graph = None
-        if not args.no_graphs:
-            replay = graphed(run)
-            t_graph = timed(replay, reps=20)
-            del replay
-        br = breakdown(run)
-    t = t_graph or t_eager
-    ar = allreduce_us(B, cfg.n_layers, args.tp) / 1e6
-    nbytes = step_bytes(model, cfg, args.tp, B, ctx_len)
-    row = dict(ctx=ctx_len, batch=B, kernels=kset, eager_ms=t_eager * 1e3, graph_ms=t_graph and t_graph * 1e3,
-               tok_s=B / t, tok_s_with_allreduce=B / (t + ar), allreduce_ms=ar * 1e3,
-               bytes=nbytes, roofline_ms=nbytes / bw * 1e3, achieved_tbs=nbytes / t / 1e12, breakdown=br)
-    bd = " ".join(f"{k}={v:.2f}" if k != "kernels" else f"kernels={v}" for k, v in br.items())
-    print(f"{ctx_len:>6} {B:>4} {t_eager * 1e3:>9.2f} {(t_graph or 0) * 1e3:>9.2f} "
-          f"{t_eager / t:>5.1f} {B / t:>8.1f} {B / (t + ar):>9.1f} {nbytes / bw * 1e3:>11.2f} "
-          f"{nbytes / t / 1e12:>8.2f}  [{kset}] {bd}", flush=True)
-    return row
+def logging_setup():
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from .runner import ModelRunner
 from .sampler import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
@@ -73,7 +72,7 @@ class EngineOverloaded(RuntimeError):
 
 
 class EngineCore:
-    def __init__(self, model, tokenizer: Tokenizer, cache: KVCache, max_num_seqs: int, max_model_len: int,
+    def __init__(self, model, tokenizer, cache: KVCache, max_num_seqs: int, max_model_len: int,
                  chunk_size: int = 512, max_waiting: int | None = None):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.max_model_len = max_model_len
@@ -92,11 +91,16 @@ class EngineCore:
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are waiting (limit {limit})")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: this engine was built with "
+                                 "skip_tokenizer_init=True; pass token ids instead")
             text, ids = prompt, self.tokenizer.encode(prompt, add_bos=True)
         else:
             text, ids = None, [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt is empty")
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids")
         vocab = self.model.cfg.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -107,8 +111,7 @@ class EngineCore:
             raise ValueError(f"request id {rid!r} is already running")
         now = time.monotonic()
         seqs = [Sequence(rid, i, list(ids), params.for_child(i) if params.n > 1 else params, arrival=now,
-                         detok=IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens))
-                for i in range(params.n)]
+                         detok=self._detokenizer(params)) for i in range(params.n)]
         if params.prompt_logprobs is not None:
             shared, ranks = [None], [None]
             for s in seqs:
@@ -118,6 +121,13 @@ class EngineCore:
         self.requests[rid] = _Request(rid, text, list(ids), seqs, now)
         self.stats["prompt_tokens"] += len(ids)
         return rid
+
+    def _detokenizer(self, params: SamplingParams):
+        if self.tokenizer is None:   # token ids only: outputs carry empty text
+            return None
+        from .tokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
@@ -180,7 +190,7 @@ class EngineCore:
         reason = None
         if tok == self.model.cfg.eos_token_id and not p.ignore_eos or tok in p.stop_token_ids:
             reason = "stop"
-        else:
+        elif seq.detok is not None:
             seq.text += seq.detok.push(tok)
             if p.stop and len(seq.output_ids) >= p.min_tokens:
                 cut = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
@@ -190,7 +200,7 @@ class EngineCore:
                                or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
-            if reason == "length":
+            if reason == "length" and seq.detok is not None:
                 seq.text += seq.detok.flush()
             self.scheduler.finish(seq, reason)
 

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import torch
 
+from . import rank
 from .cache import KVCache
 from .core import EngineCore, RequestOutput
-from .model import load_model
 from .sampler import SamplingParams
-from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,9 @@ class LLM:
     def __init__(self, model: str | Path | None = None, tp: int = 1, device=None, dtype=None,
                  max_num_seqs: int = 16, max_model_len: int | None = None, kv_cache_memory: int | None = None,
                  numerics: str | None = None, chunk_size: int = 512, max_waiting: int | None = None,
-                 tp_timeout: float = 120.0, enforce_eager: bool = False):
+                 tp_timeout: float = 120.0, enforce_eager: bool = False, skip_tokenizer_init: bool = False):
+        """skip_tokenizer_init: as vLLM's, no tokenizer is loaded (engine.tokenizer is not even
+        imported): prompts must be token ids, outputs carry token ids and empty text."""
         if tp < 1:
             raise ValueError("tp must be >= 1")
         if max_num_seqs < 1:
@@ -53,75 +54,55 @@ class LLM:
 
         cfg = ModelConfig.from_file(path)
         numerics = numerics or ("reference" if cfg.fp8_linears else "plain")
+        cfg.check_tp(tp, numerics)   # before any rank starts or reads a weight
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         use_graphs = self.device.type == "cuda" and not enforce_eager
         self.workers, self.tp = None, tp
         if tp > 1:
-            self._join_tp(tp, dict(path=str(path), device=str(self.device), dtype=self.dtype, numerics=numerics,
-                                   max_num_seqs=max_num_seqs, timeout=tp_timeout, graphs=use_graphs,
-                                   max_model_len=self.max_model_len))
+            self.device, self.workers = rank.join(tp, self.device, dict(
+                path=str(path), device=str(self.device), dtype=self.dtype, numerics=numerics,
+                max_num_seqs=max_num_seqs, timeout=tp_timeout, graphs=use_graphs, max_model_len=self.max_model_len))
+            atexit.register(self.shutdown)
         budget = kv_cache_memory or _default_cache_bytes(self.device)
         num_blocks = KVCache(cfg, max_num_seqs, budget, "meta", self.dtype).num_blocks
         if tp > 1:
-            from .parallel.worker import send_step
+            from .parallel.comm import send_step
 
             send_step(num_blocks)
-        self.model = load_model(path, device=self.device, dtype=self.dtype, numerics=numerics).prepare_kernels()
-        self.tokenizer = Tokenizer.from_dir(path)
-        self.cache = KVCache(cfg, max_num_seqs, budget, self.device, self.dtype, num_blocks=num_blocks)
+        # the one build path every rank takes (engine.rank.build): with tp > 1 every rank captures
+        # the same buckets in the same order, so the all-reduces inside the captures meet
+        self.model, self.cache, graphs = rank.build(path, self.device, self.dtype, numerics, max_num_seqs,
+                                                    self.max_model_len, num_blocks, use_graphs)
+        self.tokenizer = None
+        if not skip_tokenizer_init:
+            from .tokenizer import Tokenizer
+
+            self.tokenizer = Tokenizer.from_dir(path)
         self.engine = EngineCore(self.model, self.tokenizer, self.cache, max_num_seqs, self.max_model_len,
                                  chunk_size, max_waiting)
         if self.workers is not None:
             self.engine.runner.broadcast = self.workers.send
-        if use_graphs:
-            # with tp > 1 every rank captures the same buckets at this point (worker.build_rank):
-            # the all-reduces inside the captures meet rank by rank, and replay runs them again
-            from .graphs import DecodeGraphs
-
-            graphs = DecodeGraphs(self.model, self.cache, max_num_seqs, self.max_model_len, self.cache.pad_slot)
-            graphs.capture()
-            self.engine.runner.graphs = graphs
+        self.engine.runner.graphs = graphs
         self.model_path, self.numerics, self.max_num_seqs = path, numerics, max_num_seqs
         log.info("model %s on %s (%s, %s numerics): %d cache blocks of %d tokens, %d slots",
                  path, self.device, str(self.dtype).removeprefix("torch."), numerics, self.cache.num_blocks,
                  self.cache.block_tokens, max_num_seqs)
 
-    def _join_tp(self, tp: int, spec: dict):
-        """Start (or, under torchrun, join) the tensor-parallel group. Ranks > 0 under torchrun
-        serve steps here until rank 0 shuts down, then exit."""
-        from .parallel import state, worker
-
-        env = state.from_torchrun()
-        if env is not None:
-            rank, size = env
-            if size != tp:
-                raise ValueError(f"tp={tp} but torchrun started {size} ranks")
-            self.device = worker.rank_device(self.device, rank)
-            state.init(rank, size, "env://", self.device, spec["timeout"])
-            if rank > 0:
-                model, cache, graphs = worker.build_rank(spec, self.device)
-                worker.serve_steps(model, cache, self.device, graphs)
-                state.shutdown()
-                raise SystemExit(0)
-        else:
-            self.workers = worker.Workers(tp, spec)
-            self.device = worker.rank_device(self.device, 0)
-            state.init(0, tp, self.workers.init_method, self.device, spec["timeout"])
-        atexit.register(self.shutdown)
+    def set_kernels(self, names) -> None:
+        """Change the kernel set (engine.kernels.kernel_set's names) of this engine: the model's
+        Ops are chosen again and the decode graphs, which captured the old ones, captured again.
+        Single process only: the ranks of tp > 1 chose theirs at start (ENGINE_KERNELS)."""
+        if self.tp > 1:
+            raise RuntimeError("set_kernels with tp > 1: start the engine with ENGINE_KERNELS set instead")
+        self.model.prepare_kernels(names)
+        graphs = self.engine.runner.graphs
+        if graphs is not None:
+            graphs.capture()
 
     def shutdown(self):
         """Stop the tensor-parallel ranks (a no-op at tp=1)."""
-        from .parallel import state, worker
-
-        if self.tp > 1 and state.tp_size() > 1:
-            if self.workers is not None:
-                self.workers.stop()
-            else:
-                try:
-                    worker.send_step(None)
-                except Exception:
-                    pass
-            state.shutdown()
+        if self.tp > 1:
+            rank.stop(self.workers)
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -155,6 +136,8 @@ class LLM:
              use_tqdm: bool = False) -> list[RequestOutput]:
         from .chat import encode_chat
 
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer: this LLM was built with skip_tokenizer_init=True")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [encode_chat(self.tokenizer, conv, thinking=thinking, tools=tools, reasoning_effort=reasoning_effort)
                    for conv in conversations]

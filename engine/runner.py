@@ -17,7 +17,7 @@ class ModelRunner:
         self.graphs = None       # engine.graphs.DecodeGraphs once captured
 
     # A step is described by a plain dict (host ints and lists) so that, under tensor
-    # parallelism, rank 0 can send the same description to every rank (engine.parallel.worker).
+    # parallelism, rank 0 can send the same description to every rank (engine.rank).
     def prefill(self, seq: Sequence, start: int, n: int, all_logits: bool = False) -> torch.Tensor:
         """Feed seq's tokens [start, start+n) -> logits of the last one [1,V], or with
         `all_logits` of each of the n [1,n,V] (for prompt logprobs)."""

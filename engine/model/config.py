@@ -117,6 +117,50 @@ class ModelConfig:
         need(self.n_mtp_layers in (0, 1), "num_nextn_predict_layers", f"{self.n_mtp_layers}: only 0 or 1 supported")
         return self
 
+    def check_tp(self, tp: int, numerics: str = "plain") -> "ModelConfig":
+        """Refuse a tensor-parallel split the model cannot run, naming the field and the sizes.
+
+        Every split dim must divide by tp (engine.model.shards: heads, output groups, expert
+        widths, vocab). In reference numerics an FP8-format linear whose input is a rank's
+        slice rounds it to FP8 per 128 channels (fp8_sim(x, 128)), and an FP8 weight is held
+        in 128x128 blocks: a rank's slice must hold whole 128-wide blocks. The sliced widths:
+        the routed and shared experts' intermediate (w1/w3 rows, w2's input), the output
+        groups' low rank (wo_a rows, wo_b's input) and the query heads (wq_b rows)."""
+        if tp < 1:
+            raise ValueError(f"tp must be >= 1, got {tp}")
+        if tp == 1:
+            return self
+        def need(cond: bool, name: str, why: str):
+            if not cond:
+                raise ConfigError(f"config field `{name}`: {why}")
+
+        split = [("num_attention_heads", self.n_heads), ("o_groups", self.o_groups),
+                 ("moe_intermediate_size", self.moe_inter_dim), ("vocab_size", self.vocab_size)]
+        for name, n in split:
+            need(n % tp == 0, name, f"{n} does not split over tp = {tp} ranks")
+        if numerics != "reference":
+            return self
+        blocks = []   # (field, full width, sliced width per rank, what rounds it)
+        if self.expert_dtype in ("fp4", "fp8"):
+            blocks.append(("moe_intermediate_size", self.moe_inter_dim, self.moe_inter_dim // tp,
+                           "the routed experts' w2 input is FP8-rounded per 128 channels"))
+        if self.fp8_linears:
+            if self.n_shared_experts:
+                full = self.moe_inter_dim * self.n_shared_experts
+                blocks.append(("moe_intermediate_size", full, full // tp,
+                               "the shared expert's w1/w3 rows and w2 input are FP8 blocks of 128"))
+            full = self.o_groups * self.o_lora_rank
+            blocks.append(("o_lora_rank", full, full // tp,
+                           "o_groups x o_lora_rank is wo_b's FP8-rounded input (and wo_a's FP8 rows)"))
+            full = self.n_heads * self.head_dim
+            blocks.append(("num_attention_heads", full, full // tp,
+                           "num_attention_heads x head_dim are wq_b's FP8 rows"))
+        for name, full, local, why in blocks:
+            need(local % 128 == 0, name,
+                 f"tp = {tp} gives each rank a {local}-wide slice of {full}, not whole 128-wide FP8 blocks "
+                 f"({why}); reference numerics need it a multiple of 128: use a smaller tp or numerics='plain'")
+        return self
+
     # ---- reading ----
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":

@@ -94,18 +94,28 @@ class Transformer(nn.Module):
                 m.nvfp4_parts = None
         for layer in self.layers:
             layer.prepare_mix(self.ops.uses("mhc"))
-        log.info("kernels on %s: %s; MoE: %s", device, ",".join(sorted(self.ops.kernels)) or "none", self.moe_paths())
+        log.info("kernels on %s: %s", device, ",".join(sorted(self.ops.kernels)) or "none")
+        self.log_moe_paths()
         return self
 
-    def moe_paths(self) -> str:
-        """Which layers' routed experts run which path, in one line (the engine logs it at start)."""
-        paths = {}
+    def moe_paths(self) -> dict[str, list[int]]:
+        """{"fused": layers whose routed experts run the fused MoE kernel, "torch": the layers that
+        run torch experts (the CPU references, or weights the kernel could not take)}."""
+        paths = {"fused": [], "torch": []}
         for i, layer in enumerate(self.layers):
-            e = layer.ffn.experts
-            path = "fused kernel" if e.packed is not None and self.ops.uses("fused_moe") else \
-                "torch on packed codes" if e.packed is not None else "torch"
-            paths.setdefault(path, []).append(i)
-        return "; ".join(f"{p}: layers {_spans(ls)}" for p, ls in paths.items())
+            fused = layer.ffn.experts.packed is not None and self.ops.uses("fused_moe")
+            paths["fused" if fused else "torch"].append(i)
+        return paths
+
+    def log_moe_paths(self):
+        """One line at start: which layers run which MoE path; a warning when CUDA layers fall back."""
+        paths, fmt = self.moe_paths(), self.cfg.expert_dtype
+        line = (f"MoE ({fmt} experts): fused kernel on {_spans(paths['fused']) or 'no'} layers, "
+                f"torch on {_spans(paths['torch']) or 'no'} layers")
+        if paths["torch"] and self.head.weight.is_cuda:
+            log.warning("%s (the torch path is the slow fallback)", line)
+        else:
+            log.info("%s", line)
 
     def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The oracle: ids [B,S] from position 0 -> the last block's output streams [B,S,hc,D]."""
@@ -148,3 +158,15 @@ class Transformer(nn.Module):
         mtp = self.mtp[0]
         h = mtp.hidden(h_main, self.embed(next_ids), next_ids)
         return self.head_logits(mtp.collapse(h))
+
+
+def _spans(ids: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+    out, start = [], None
+    for j, i in enumerate(ids):
+        if start is None:
+            start = i
+        if j + 1 == len(ids) or ids[j + 1] != i + 1:
+            out.append(f"{start}-{i}" if i > start else f"{i}")
+            start = None
+    return ",".join(out)

@@ -2,17 +2,31 @@
 
 One all-reduce closes each row-parallel sublayer (attention's wo_b, the MoE); the
 vocab-parallel head gathers its logit slices. All are capturable in a CUDA graph
-(NCCL) and have the group's timeout.
+(NCCL) and have the group's timeout. A SimulatedGroup (state.init_simulated) answers them
+locally; tp_size() > 1 with no group raises (a misconfigured run must never skip a reduction).
+Rank 0 describes every step to the other ranks with send_step / recv_step (CPU group).
 """
 import torch
 import torch.distributed as dist
 
-from .state import group, tp_size
+from .state import SimulatedGroup, cpu_group, group, tp_size
+
+
+def _group():
+    g = group()
+    if g is None:
+        raise RuntimeError(f"tp_size() = {tp_size()} but no process group: join one with "
+                           "engine.parallel.state.init (or init_simulated for a simulated rank)")
+    return g
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if tp_size() > 1 and group() is not None:   # no group: a simulated rank (bench)
-        dist.all_reduce(x, group=group())
+    if tp_size() == 1:
+        return x
+    g = _group()
+    if isinstance(g, SimulatedGroup):
+        return g.all_reduce(x)
+    dist.all_reduce(x, group=g)
     return x
 
 
@@ -20,10 +34,11 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's x along the last dim (rank order)."""
     if tp_size() == 1:
         return x
-    if group() is None:                          # a simulated rank: right shape, copies of x
-        return x.repeat(*([1] * (x.dim() - 1)), tp_size())
+    g = _group()
+    if isinstance(g, SimulatedGroup):
+        return g.all_gather_last(x)
     parts = [torch.empty_like(x) for _ in range(tp_size())]
-    dist.all_gather(parts, x.contiguous(), group=group())
+    dist.all_gather(parts, x.contiguous(), group=g)
     return torch.cat(parts, dim=-1)
 
 
@@ -32,3 +47,15 @@ def shard(n: int, what: str) -> int:
     if n % tp_size():
         raise ValueError(f"{what} = {n} does not split over tp = {tp_size()} ranks")
     return n // tp_size()
+
+
+def send_step(step):
+    """Rank 0: a step description (any picklable object; None = stop) to every rank."""
+    dist.broadcast_object_list([step], src=0, group=cpu_group())
+
+
+def recv_step():
+    """Ranks > 0: the next object rank 0 sent with send_step."""
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=cpu_group())
+    return box[0]

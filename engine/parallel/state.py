@@ -1,8 +1,11 @@
 """Tensor-parallel state of this process: rank, size, and the groups collectives use.
 
 The model asks `tp_rank()` / `tp_size()` when it is built, to size its shards; the
-collectives in comm.py run on `group()` (NCCL on GPUs, gloo on CPU). A CPU gloo group
-always exists beside it for the scheduler's step messages.
+collectives in comm.py run on `group()`: a real process group (NCCL on GPUs, gloo on CPU,
+joined by `init`) or a `SimulatedGroup` (one rank posing as rank r of N, installed by
+`init_simulated`; bench/decode.py times one rank that way). A CPU gloo group always exists
+beside a real one for the scheduler's step messages. tp_size() > 1 with no group at all is a
+misconfiguration: the collectives raise rather than skip.
 """
 import datetime
 import os
@@ -51,11 +54,34 @@ def from_torchrun() -> tuple[int, int] | None:
     return None
 
 
-def simulate(rank: int, size: int):
-    """Pose as one rank of `size` with no group: the model builds its shards, collectives are
-    skipped (bench/decode.py times one rank and models the all-reduces)."""
+class SimulatedGroup:
+    """A stand-in process group for one rank of `size` run alone: the model builds its shards
+    and every collective returns a tensor of the right shape without talking to anyone.
+    all_reduce returns x unchanged; all_gather_last repeats x once per rank. The numbers are
+    not the real model's (nothing is summed): it is for timing one rank and for shape tests."""
+
+    def __init__(self, rank: int, size: int):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not in [0, {size})")
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, x):
+        return x
+
+    def all_gather_last(self, x):
+        return x.repeat(*([1] * (x.dim() - 1)), self.size)
+
+    def __repr__(self):
+        return f"SimulatedGroup(rank={self.rank}, size={self.size})"
+
+
+def init_simulated(rank: int, size: int) -> SimulatedGroup:
+    """Pose as rank `rank` of `size` with a SimulatedGroup (no other process): shards are built
+    for that rank, collectives return right-shaped tensors. Undo with shutdown()."""
     global _rank, _size, _group, _cpu_group
-    _rank, _size, _group, _cpu_group = rank, size, None, None
+    g = SimulatedGroup(rank, size)
+    _rank, _size, _group, _cpu_group = rank, size, g, None
+    return g
 
 
 def shutdown():
