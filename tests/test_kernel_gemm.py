@@ -22,7 +22,7 @@ from interp import patch_interpreter, run_child
 from engine.kernels import bf16_gemm as bg
 from engine.kernels import fp8_gemm as fg
 from engine.model.formats import e8m0_to_float, fp8_block_quant
-from engine.model.quant_sim import fp8_sim_ref as fp8_sim
+from engine.numerics import fp8_sim_ref as fp8_sim
 
 ROOT = Path(__file__).resolve().parents[1]
 
