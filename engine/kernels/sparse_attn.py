@@ -20,13 +20,13 @@ Duplicated indices are not deduplicated: a key listed twice counts twice (the to
 the same). The engine never sends duplicates: the window and the compressed entries are disjoint
 stores and the indexer's top-k ids are distinct.
 """
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.numerics import up
+from .common import num_sms
 
 # Launch configuration, all in one place; bench/attention.py --sweep compares alternatives on the GPU.
 # Picked offline from ptxas -v for sm_90a at D=512 (no GPU run yet): BLOCK_H 16 / BLOCK_N 32 / 4 warps
@@ -173,10 +173,9 @@ class Workspace:
         return T <= t and splits <= s and H == h and D == d
 
 
-@functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
-    # The interpreter runs on CPU tensors: pretend a few SMs so the split path is exercised.
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    """common.num_sms; the interpreter (CPU tensors) pretends a few SMs so the split path is exercised."""
+    return num_sms(device, cpu=4)
 
 
 def head_tiling(H: int) -> tuple[int, int]:
