@@ -1,4 +1,4 @@
-"""`reference` numerics (DeepSeek's QAT simulation, engine/numerics.py, dispatched by engine/model/quant_sim.py) against
+"""`reference` numerics (DeepSeek's QAT simulation, engine/numerics.py) against
 independent implementations written here from the spec (§3.3-3.5, §3.10, §4.4):
 
 * fp8_sim: per block of channels, scale ``2^ceil(log2(max(amax, 1e-4) / 448))``, e4m3
