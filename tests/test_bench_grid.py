@@ -17,7 +17,7 @@ from engine.model.moe import Experts  # noqa: E402
 
 
 def _model(seed=0, E=4, I=128, D=256):
-    cfg = types.SimpleNamespace(n_routed_experts=E, moe_inter_dim=I, dim=D, swiglu_limit=10.0)
+    cfg = types.SimpleNamespace(n_routed_experts=E, moe_inter_dim=I, dim=D, swiglu_limit=10.0, expert_dtype="fp4")
     model = torch.nn.ModuleDict({"a": Experts(cfg, dtype=torch.bfloat16), "b": Experts(cfg, dtype=torch.bfloat16)})
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
