@@ -2,9 +2,10 @@
 
 Expert top-k is discrete: in a random tiny model two bf16 runs that differ by rounding choose
 different experts wherever two scores are close, and the logits then jump. `record()` stores
-every Gate call's expert ids; `replay()` makes the next run's Gate calls (same order: the same
-prompts through the same scheduler) keep their own weights and ids where the ids agree, and
-where they do not, use the recorded ids with weights from this run's own scores (torch).
+the expert ids of every routing call of the engine's step (engine.model.step.route); `replay()`
+makes the next run's calls (same order: the same prompts through the same scheduler) keep their
+own weights and ids where the ids agree, and where they do not, use the recorded ids with
+weights from this run's own scores (torch).
 `replay().pinned` counts those calls, so a test can report how often rounding flipped a choice.
 """
 import contextlib
@@ -12,7 +13,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from engine.model.moe import Gate
+from engine.model import step
 
 
 class _Pins:
@@ -22,40 +23,41 @@ class _Pins:
 
 @contextlib.contextmanager
 def record():
-    pins, orig = _Pins(), Gate.forward
+    pins, orig = _Pins(), step.route
 
-    def forward(self, x, ids):
-        w, idx = orig(self, x, ids)
+    def route(gate, x, ids, ops):
+        w, idx = orig(gate, x, ids, ops)
         pins.ids.append(idx.clone())
         return w, idx
 
-    Gate.forward = forward
+    step.route = route
     try:
         yield pins
     finally:
-        Gate.forward = orig
+        step.route = orig
 
 
 @contextlib.contextmanager
 def replay(recorded: _Pins):
-    pins, orig, queue = _Pins(), Gate.forward, list(recorded.ids)
+    assert recorded.ids, "no routing call was recorded: is engine.model.step.route still the step's router?"
+    pins, orig, queue = _Pins(), step.route, list(recorded.ids)
 
-    def forward(self, x, ids):
-        w, idx = orig(self, x, ids)
+    def route(gate, x, ids, ops):
+        w, idx = orig(gate, x, ids, ops)
         want = queue.pop(0).to(idx.device)
         pins.calls += 1
         if torch.equal(idx.to(want.dtype), want):
             return w, idx
         pins.pinned += 1
-        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
-        w = scores.gather(-1, want)
-        if self.norm_topk:
+        scores = F.softplus(F.linear(x.float(), gate.weight.float())).sqrt()
+        w = scores.gather(-1, want.long())
+        if gate.norm_topk:
             w = w / w.sum(-1, keepdim=True)
-        return w * self.route_scale, want
+        return w * gate.route_scale, want
 
-    Gate.forward = forward
+    step.route = route
     try:
         yield pins
     finally:
-        Gate.forward = orig
+        step.route = orig
     assert not queue, f"{len(queue)} recorded gate calls were not replayed"

@@ -270,7 +270,7 @@ CONFIG_CASES = [
     ("missing-vocab", _drop("vocab_size"), "vocab_size"),
     ("missing-layers", _drop("num_hidden_layers"), "num_hidden_layers"),
     ("missing-rope-dim", _drop("qk_rope_head_dim"), "qk_rope_head_dim"),
-    ("missing-ratios", _drop("compress_ratios"), "compress_ratios"),
+    ("missing-ratios", _drop("compress_ratios", "layer_types"), "compress_ratios"),   # neither flavour
     ("bad-o-groups", lambda c: c.update(o_groups=3), "o_groups"),
     ("too-many-experts-per-token", lambda c: c.update(num_experts_per_tok=9), "num_experts_per_tok"),
     ("unknown-scoring", lambda c: c.update(scoring_func="softmax2"), "scoring_func"),

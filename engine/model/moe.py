@@ -77,6 +77,8 @@ class Experts(nn.Module):
         from ..kernels.fused_moe import pack_experts
         from .formats import mxfp4_dequant, mxfp4_quant, nvfp4_dequant
 
+        if self.packed is not None:
+            return True
         held = (self.w1, self.w3, self.w2)
         if self.nvfp4_parts is not None:
             projs, fmt, dequant = self.nvfp4_parts, "nvfp4", nvfp4_dequant
