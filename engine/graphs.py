@@ -36,7 +36,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
-        self.ops = None       # the model's Ops the graphs captured
+        self.ops = self.numerics = None       # the model's Ops and Numerics the graphs captured
 
     def _inputs(self, b: int) -> StepInputs:
         """The first b rows of the static inputs, as a fresh StepInputs (its per-step tables are
@@ -50,20 +50,22 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info()[0]
         self.graphs, self.logits, self.pool = {}, {}, None
+        s = self.static    # every row padding: the warm-up steps below must write nothing a sequence reads
+        s.ids.zero_(), s.positions.zero_(), s.slots.fill_(self.pad_slot), s.block_table.zero_()
         for b in reversed(self.buckets):   # largest first: the others reuse its pool
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
                 for _ in range(2):
                     self.model.forward_step(self._inputs(b), self.cache.layers)
-            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.current_stream().wait_stream(side)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
                 self.logits[b] = self.model.forward_step(self._inputs(b), self.cache.layers)
             self.pool = g.pool()
             self.graphs[b] = g
         torch.cuda.synchronize()
-        self.ops = self.model.ops
+        self.ops, self.numerics = self.model.ops, self.model.numerics
         used = free0 - torch.cuda.mem_get_info()[0]
         log.info("captured %d decode graphs (batch %s) in %.1f s, %.1f MiB", len(self.graphs),
                  ",".join(map(str, self.buckets)), time.perf_counter() - t0, used / 2**20)
@@ -73,8 +75,8 @@ class DecodeGraphs:
 
     def run(self, inp: StepInputs) -> torch.Tensor:
         """A decode step's inputs, padded to a bucket (engine.runner.step_inputs) -> logits [n, V]."""
-        if self.graphs and self.model.ops is not self.ops:
-            raise RuntimeError("the model's kernel set changed after its decode graphs were captured: "
+        if self.graphs and (self.model.ops is not self.ops or self.model.numerics != self.numerics):
+            raise RuntimeError("the model's kernel set or numerics changed after its decode graphs were captured: "
                                "capture() again (LLM.set_kernels does)")
         b, n = inp.ids.shape[0], inp.n
         s = self.static

@@ -98,7 +98,7 @@ def test_kernel_set_change_recaptures(tiny_ckpt):
     stale = LLM(path, **kw)
     assert "sparse_attn" in stale.model.ops.kernels
     stale.model.prepare_kernels("none")
-    with pytest.raises(RuntimeError, match="kernel set changed"):
+    with pytest.raises(RuntimeError, match="kernel set or numerics changed"):
         stale.generate(prompts, params)
     del stale
     switched = LLM(path, **kw)

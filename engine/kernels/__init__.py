@@ -79,7 +79,6 @@ class Ops:
     rms_norm: Callable          # rms_norm
     route: Callable             # router: scores, top-k or hash ids, renormalise
     fp8_sim: Callable           # act_sim: e4m3 round trip per block
-    fp4_sim: Callable           # act_sim: e2m1 round trip per block
     compress_decode: Callable   # compressor: the compressor's decode step after its projections
     fused_moe: Callable         # fused_moe: routed experts on packed MXFP4 / NVFP4 codes
 
@@ -114,7 +113,6 @@ _TABLE = {
     "rms_norm": ("rms_norm", "rms_norm", "rms_norm"),
     "route": ("router", "router", "route"),
     "fp8_sim": ("act_sim", "act_sim", "fp8_sim"),
-    "fp4_sim": ("act_sim", "act_sim", "fp4_sim"),
     "compress_decode": ("compressor", "compressor", "compress_decode"),
     "fused_moe": ("fused_moe", "fused_moe", "fused_moe"),
 }

@@ -45,12 +45,14 @@ def interpreting() -> bool:
 # ----------------------------------------------------------------------------- scratch buffers
 
 _scratch: dict = {}     # (name, device) -> the buffer
+_retired: list = []     # outgrown buffers that captured graphs may still use
 
 
 def scratch(name: str, device, numel: int, dtype: torch.dtype, zero: bool = False, min_numel: int = 1) -> torch.Tensor:
     """A kernel's workspace keyed by (name, device): reused by every launch, grown (never shrunk)
     only outside CUDA-graph capture, so the eager warm-up before a capture sizes it for that step
-    and replays see the same memory. `zero`: allocated zeroed (ticket counters the kernels leave
+    and replays see the same memory; a buffer outgrown later (a larger eager step) is kept alive,
+    since graphs captured with it still write there. `zero`: allocated zeroed (ticket counters the kernels leave
     at zero). The buffer may be longer than `numel`."""
     device = torch.device(device)
     key = (name, device)
@@ -59,6 +61,8 @@ def scratch(name: str, device, numel: int, dtype: torch.dtype, zero: bool = Fals
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{name}: scratch buffer must grow inside a graph capture: run this shape eagerly first")
         n = max(numel, min_numel, buf.numel() if buf is not None and buf.dtype == dtype else 0)
+        if buf is not None:   # graphs captured with it may still replay: never free it
+            _retired.append(buf)
         buf = _scratch[key] = (torch.zeros if zero else torch.empty)(n, dtype=dtype, device=device)
     return buf
 

@@ -1,6 +1,6 @@
 """The KV compressor's decode step after its two projections, one kernel per step.
 
-Replaces the tail of engine.model.compressor.Compressor._decode (about 45 small torch ops):
+The tail of the compressor's decode step (compress_decode_ref below, about 45 small torch ops):
 per sequence row, in one program,
   1. add the slot's positional bias ape[pos % r] to the gate scores, write the token's kv and
      score into the running state (row off + pos % r; off = r for the overlapping ratio 4);
@@ -12,7 +12,7 @@ per sequence row, in one program,
      reference-numerics rounding (FP8 on the non-rope dims, or for indexer keys Hadamard then
      FP4), and store the entry in its pool row (block table lookup in the kernel);
   4. ratio 4, on completion: the finished window's rows become the previous window's.
-Rows that complete no window write only their state row (the torch code writes its unused
+Rows that complete no window write only their state row (the reference writes its unused
 pooled value to block 0, which nothing reads).
 """
 import torch

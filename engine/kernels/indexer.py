@@ -1,4 +1,5 @@
-"""Lightning indexer at decode: score every visible compressed entry, keep the top-k.
+"""Lightning indexer: score every visible compressed entry, keep the top-k (one query row per token:
+decode rows and prefill chunks alike).
 
 scores[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s]) for s < max_entries, -inf for s >= n_visible[t];
 the top-k entries become ids (-1 where none) and the flat store rows the sparse attention reads,

@@ -1,6 +1,6 @@
 """Attention's post-GEMM glue for q and kv, one kernel: RMSNorm, RoPE, FP8 simulation, ring write.
 
-Replaces the tail of engine.model.attention.Attention.qkv (and window_keys' ring write):
+The tail of engine.model.attention.Attention.qkv, then (decode) the ring write:
   q  [T,H,Dh]: per-head unweighted RMSNorm, then RoPE on the last R dims;
   kv [T,Dh]:   RMSNorm with kv_norm's weight, RoPE, optionally the e4m3 round trip of the
                non-rope dims (per-64 power-of-two scales, engine.numerics.fp8_sim_ref),

@@ -1,4 +1,5 @@
 """Sparse flash-decode MQA: every query head against one shared K=V head, keys picked by index lists.
+Decode rows and prefill chunks alike: each query row t (a token) has its own key lists.
 
 o[t, h] = sum_j p_j k_j / (sum_j p_j + exp(sink[h] - m)),  p_j = exp(q[t, h] . k_j * scale - m),
 over the keys j of two lists: idx_a[t] into kv_a (the sliding-window ring, flattened) and idx_b[t]
@@ -13,8 +14,9 @@ One op, two launches (one when a single split suffices):
 - _combine_kernel, grid (T, H, D chunks): merges the splits' (m, l, acc) by log-sum-exp and adds the
   sink mass exp(sink - M) to the denominator once.
 Split-K exists for small T: at T=1 the (T x head groups) grid alone launches a handful of programs on
-132 SMs. Shapes are fixed per batch bucket (T, Ka, Kb, splits are host ints, the workspace is cached
-per bucket) and nothing syncs with the host, so the pair is CUDA-graph safe given `out` and `workspace`.
+132 SMs. Shapes are fixed per batch bucket (T, Ka, Kb, splits are host ints; a cached workspace that
+fits is reused) and nothing syncs with the host, so the pair is CUDA-graph safe given `out` and
+`workspace`.
 
 Duplicated indices are not deduplicated: a key listed twice counts twice (the torch reference does
 the same). The engine never sends duplicates: the window and the compressed entries are disjoint
@@ -163,9 +165,16 @@ class Workspace:
 
     @classmethod
     def get(cls, T: int, H: int, D: int, max_splits: int, device) -> "Workspace":
-        key = (T, H, D, max_splits, torch.device(device))
-        if key not in cls._cache:
-            cls._cache[key] = cls(T, H, D, max_splits, device)
+        """The smallest cached workspace that fits, else a new one for T rounded up to a power of
+        two: prefill chunks come in every length, and each must not keep a workspace of its own."""
+        device = torch.device(device)
+        fitting = [w for (t, h, d, s, dev), w in cls._cache.items()
+                   if dev == device and w.fits(T, H, D, max_splits)]
+        if fitting:
+            return min(fitting, key=lambda w: w.acc.numel())
+        t = triton.next_power_of_2(T)
+        key = (t, H, D, max_splits, device)
+        cls._cache[key] = cls(t, H, D, max_splits, device)
         return cls._cache[key]
 
     def fits(self, T: int, H: int, D: int, splits: int) -> bool:
@@ -214,6 +223,7 @@ def sparse_mqa(q, kv_a, idx_a, kv_b, idx_b, sink, scale: float, num_splits: int 
     -1 = none), sink [H] fp32 -> o [T,H,D] in q's dtype (into `out` when given). No allocation and no
     host sync when `out` and a fitting `workspace` are passed (or a single split is used)."""
     T, H, D = q.shape
+    assert T < 65536, f"{T} query rows: the grid's y axis holds 65535 (prefill in smaller chunks)"
     kv_b, idx_b, Kb = _flat_lists(q, kv_a, idx_a, kv_b, idx_b)
     Ka = idx_a.shape[1]
     block_h, groups = head_tiling(H)

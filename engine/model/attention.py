@@ -16,7 +16,7 @@ from .config import ModelConfig
 from .indexer import Indexer
 from .linear import Linear
 from .norm import RMSNorm, rms_norm
-from ..kernels.sparse_attn import attend, gather_attend as sparse_attn
+from ..kernels.sparse_attn import gather_attend as sparse_attn
 from ..numerics import PLAIN, fp8_sim_ref as fp8_sim
 from .rope import apply_rope, cos_sin, layer_inv_freq
 

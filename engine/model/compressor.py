@@ -90,18 +90,19 @@ class Compressor(nn.Module):
 
     # ---- with the engine's cache: running state per sequence slot, entries in the block pool ----
     # (decode: engine.kernels.compressor.compress_decode, called by engine.model.step.compress)
-    def prefill(self, x, inp, kv_state, score_state, store, inv_freq, sim):
-        """A prefill chunk x [B,S,D]: each row's completed windows become entries in the flat
-        store [rows, d] at once; the open window stays in the state. Torch, a row at a time."""
+    def prefill(self, kv, score, inp, kv_state, score_state, store, inv_freq, dtype, sim):
+        """A prefill chunk's projections kv, score [B,S,coff*d] fp32 (the wkv / wgate GEMMs, no
+        ape): each row's completed windows become entries in the flat store [rows, d] at once; the
+        open window stays in the state. Torch, a row at a time."""
         for b, start in enumerate(inp.starts):
-            self._prefill_row(x[b], b, start, inp, kv_state, score_state, store, inv_freq, sim)
+            self._prefill_row(kv[b], score[b], b, start, inp, kv_state, score_state, store, inv_freq, dtype, sim)
 
-    def _prefill_row(self, x, b, start, ctx, kv_state, score_state, store, inv_freq, sim):
-        """Row b's chunk x [S,D] at positions start.."""
-        r, d, slot = self.ratio, self.head_dim, ctx.slots[b]
-        S = x.shape[0]
+    def _prefill_row(self, kv, score, b, start, inp, kv_state, score_state, store, inv_freq, dtype, sim):
+        """Row b's chunk kv, score [S,coff*d] at positions start.."""
+        r, d, slot = self.ratio, self.head_dim, inp.slots[b]
+        S = kv.shape[0]
         end = start + S
-        kv, score = self.project(x, torch.arange(start, end, device=x.device))
+        score = score + self.ape[torch.arange(start, end, device=kv.device) % r]
         off = r if self.overlap else 0
         w0 = start // r
         n_old = start - w0 * r                        # the open window's tokens already in the state
@@ -112,9 +113,9 @@ class Compressor(nn.Module):
             kvw = kv[: n_emit * r].unflatten(0, (n_emit, r))[None]
             scw = score[: n_emit * r].unflatten(0, (n_emit, r))[None]
             prev = (kv_state[slot, None, :r, :d], score_state[slot, None, :r, :d]) if self.overlap else None
-            entries = torch.arange(w0, w0 + n_emit, device=x.device)
-            c = self.finish(self.pool(kvw, scw, prev), entries, inv_freq, x.dtype, sim)[0]
-            store[entry_loc(ctx.block_table[b:b + 1], ctx.block_tokens, entries[None], r)[0]] = c.to(store.dtype)
+            entries = torch.arange(w0, w0 + n_emit, device=kv.device)
+            c = self.finish(self.pool(kvw, scw, prev), entries, inv_freq, dtype, sim)[0]
+            store[entry_loc(inp.block_table[b:b + 1], inp.block_tokens, entries[None], r)[0]] = c.to(store.dtype)
             if self.overlap:
                 kv_state[slot, :r], score_state[slot, :r] = kvw[0, -1], scw[0, -1]
         rest = S + n_old - n_emit * r

@@ -23,16 +23,6 @@ from .norm import RMSNorm
 log = logging.getLogger(__name__)
 
 
-def _spans(ids: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    out, start = [], ids[0]
-    for a, b in zip(ids, ids[1:] + [None]):
-        if b != a + 1:
-            out.append(f"{start}-{a}" if a > start else f"{a}")
-            start = b
-    return ",".join(out)
-
-
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype=torch.float32, with_mtp: bool = True):
         super().__init__()

@@ -143,7 +143,8 @@ def compress(c: Compressor, x: torch.Tensor, inp: StepInputs, kv_state: torch.Te
     in `store` [blocks, per_block, d]."""
     sim = c.sim_of(num)
     if not inp.decode:
-        return c.prefill(x, inp, kv_state, score_state, store.flatten(0, 1), inv_freq, sim)
+        kv, score = ops.gemm(x, c.wkv.weight), ops.gemm(x, c.wgate.weight)              # [B,S,coff*d] fp32
+        return c.prefill(kv, score, inp, kv_state, score_state, store.flatten(0, 1), inv_freq, x.dtype, sim)
     kv, score = ops.gemm(x[:, 0], c.wkv.weight), ops.gemm(x[:, 0], c.wgate.weight)      # [B,coff*d] fp32
     cos, sin = inp.cos_sin(f"entry/{c.ratio}", inv_freq, entry_ratio=c.ratio)             # at the entry's position
     ops.compress_decode(kv, score, c.ape, kv_state, score_state, store.flatten(0, 1), inp.slots, inp.positions,
