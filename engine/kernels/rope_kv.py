@@ -142,7 +142,17 @@ def rope_qkv_ref(q, kv, kv_weight, eps, cos=None, sin=None, *, positions=None, i
         nope = kv.shape[-1] - 2 * cos.shape[-1]
         kv = torch.cat((fp8_sim(kv[..., :nope], fp8_block), kv[..., nope:]), dim=-1)
     if ring is not None:
-        s, p, k = slots.reshape(-1), positions.reshape(-1), kv.reshape(-1, kv.shape[-1])
-        m = s >= 0
-        ring[s[m], p[m] % ring.shape[1]] = k[m].to(ring.dtype)
+        ring_write(ring, slots.reshape(-1), positions.reshape(-1), kv.reshape(-1, kv.shape[-1]))
     return q, kv
+
+
+def ring_write(ring, s, p, k):
+    """ring[s, p % W] = k for rows with s >= 0, with no host sync (a decode graph captures it): the
+    skipping rows write what a writing row writes at the same place (or, when no row writes, put
+    back what is there), so every index is valid and duplicate writes agree."""
+    W = ring.shape[1]
+    m = s >= 0
+    d = m.int().argmax()                                   # a writing row (row 0 when none writes)
+    rows, cols = torch.where(m, s, s[d].clamp(min=0)), torch.where(m, p, p[d]) % W
+    donor = torch.where(m[d], k[d].to(ring.dtype), ring[s[d].clamp(min=0), p[d] % W])
+    ring[rows, cols] = torch.where(m[:, None], k.to(ring.dtype), donor)
