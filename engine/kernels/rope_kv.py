@@ -152,7 +152,8 @@ def ring_write(ring, s, p, k):
     back what is there), so every index is valid and duplicate writes agree."""
     W = ring.shape[1]
     m = s >= 0
-    d = m.int().argmax()                                   # a writing row (row 0 when none writes)
-    rows, cols = torch.where(m, s, s[d].clamp(min=0)), torch.where(m, p, p[d]) % W
-    donor = torch.where(m[d], k[d].to(ring.dtype), ring[s[d].clamp(min=0), p[d] % W])
+    d = m.int().argmax().view(1)                # a writing row (row 0 when none writes); a tensor index:
+    s_d, p_d = s.index_select(0, d).clamp(min=0), p.index_select(0, d)    # indexing by it stays on device
+    rows, cols = torch.where(m, s, s_d), torch.where(m, p, p_d) % W
+    donor = torch.where(m.index_select(0, d)[:, None], k.index_select(0, d).to(ring.dtype), ring[s_d, p_d % W])
     ring[rows, cols] = torch.where(m[:, None], k.to(ring.dtype), donor)
