@@ -10,6 +10,7 @@ from .config import ModelConfig
 from .linear import Embedding, Linear
 from .mhc import hc_head
 from ..kernels import Ops
+from ..kernels.bf16_gemm import bf16_gemm_ref
 from ..numerics import Numerics
 from . import step
 from .attention import Attention
@@ -124,7 +125,10 @@ class Transformer(nn.Module):
         # vocab-parallel head: each rank's slice of the logits, gathered in rank order. fp32 logits
         # as DeepSeek computes them; in bf16 models a bf16 GEMM with fp32 output rather than
         # casting the whole [vocab, dim] weight every step (bf16 logits would tie the argmax).
-        return all_gather_last(self.ops.gemm(y.reshape(-1, y.shape[-1]), self.head.weight).view(*y.shape[:-1], -1))
+        # On CPU the reference even when a test interprets the kernels: the vocab-wide GEMM alone
+        # would take the interpreter minutes, and bf16_gemm has its own tests at small shapes.
+        gemm = self.ops.gemm if y.is_cuda else bf16_gemm_ref
+        return all_gather_last(gemm(y.reshape(-1, y.shape[-1]), self.head.weight).view(*y.shape[:-1], -1))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
