@@ -77,7 +77,7 @@ class DecodeGraphs:
         """A decode step's inputs, padded to a bucket (engine.runner.step_inputs) -> logits [n, V]."""
         if self.graphs and (self.model.ops is not self.ops or self.model.numerics != self.numerics):
             raise RuntimeError("the model's kernel set or numerics changed after its decode graphs were captured: "
-                               "capture() again (LLM.set_kernels does)")
+                               "capture() again")
         b, n = inp.ids.shape[0], inp.n
         s = self.static
         for dst, src in ((s.ids, inp.ids), (s.positions, inp.positions), (s.slots, inp.slots),

@@ -88,17 +88,6 @@ class LLM:
                  path, self.device, str(self.dtype).removeprefix("torch."), numerics, self.cache.num_blocks,
                  self.cache.block_tokens, max_num_seqs)
 
-    def set_kernels(self, names) -> None:
-        """Change the kernel set (engine.kernels.kernel_set's names) of this engine: the model's
-        Ops are chosen again and the decode graphs, which captured the old ones, captured again.
-        Single process only: the ranks of tp > 1 chose theirs at start (ENGINE_KERNELS)."""
-        if self.tp > 1:
-            raise RuntimeError("set_kernels with tp > 1: start the engine with ENGINE_KERNELS set instead")
-        self.model.prepare_kernels(names)
-        graphs = self.engine.runner.graphs
-        if graphs is not None:
-            graphs.capture()
-
     def shutdown(self):
         """Stop the tensor-parallel ranks (a no-op at tp=1)."""
         if self.tp > 1:

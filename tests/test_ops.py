@@ -45,3 +45,27 @@ def test_set_kernels_is_the_default_of_models_prepared_later(tiny_ckpt, monkeypa
     finally:
         set_kernels(None)
     assert model.prepare_kernels().ops.kernels == kernel_set(None)
+
+
+def test_decode_graphs_refuse_stale_ops(tiny_ckpt):
+    """Graphs replay the Ops and Numerics they captured: once the model was prepared again (or its
+    numerics changed), run() raises instead of silently replaying the old kernels. Capture needs
+    CUDA, so the captured state is set here as capture() leaves it; the check runs before any replay."""
+    from engine.cache import KVCache
+    from engine.graphs import DecodeGraphs
+    from engine.model import load_model
+    from engine.runner import step_inputs
+
+    model = load_model(tiny_ckpt("tiny", 0)).prepare_kernels()
+    cache = KVCache(model.cfg, 2, 64 << 20, "cpu", torch.float32)
+    graphs = DecodeGraphs(model, cache, 2, 256, cache.pad_slot)
+    graphs.graphs, graphs.ops, graphs.numerics = {1: None}, model.ops, model.numerics
+    step = {"ids": [[5]], "positions": [[0]], "slots": [0], "blocks": [[1]], "starts": None, "reset": []}
+    inp = step_inputs(step, "cpu", cache.block_tokens, rows=1, width=graphs.max_blocks, pad_slot=cache.pad_slot)
+    model.prepare_kernels()                       # the same kernel set, chosen again: new Ops
+    with pytest.raises(RuntimeError, match="kernel set or numerics changed"):
+        graphs.run(inp)
+    model.ops = graphs.ops
+    model.set_numerics("reference")
+    with pytest.raises(RuntimeError, match="kernel set or numerics changed"):
+        graphs.run(inp)

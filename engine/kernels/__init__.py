@@ -5,8 +5,8 @@ the table the model's step calls through.
 of every op: the kernels run for bf16 on CUDA (their target), or on CPU when a test
 interprets them (CPU_INTERPRETED); everything else takes the references. The model is
 prepared with one Ops (engine.model.Transformer.prepare_kernels) and CUDA graphs capture it:
-a different kernel set means new graphs (engine.llm.LLM.set_kernels recaptures), never a
-switch read while the step is traced.
+a different kernel set means new graphs (DecodeGraphs.run refuses to replay stale ones), never
+a switch read while the step is traced.
 
 Which kernels: ENGINE_KERNELS=none (all off), all, or a comma list of the kernels to keep on
 (e.g. ENGINE_KERNELS=sparse_attn,indexer); set_kernels(...) sets the same default in process
@@ -45,7 +45,7 @@ def kernel_set(names) -> frozenset[str]:
 
 def set_kernels(names) -> None:
     """The default kernel set of models prepared from now on (None: back to ENGINE_KERNELS).
-    A model already prepared keeps its Ops: use LLM.set_kernels to change a running engine's."""
+    A model already prepared keeps its Ops (prepare_kernels again, then capture its graphs again)."""
     global _default
     _default = kernel_set(names) if names is not None else None
 
