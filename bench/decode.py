@@ -35,7 +35,7 @@ sys.path[:0] = [str(TREE), str(HERE)]
 
 import torch  # noqa: E402
 
-from decode_grid import round_experts_mxfp4, round_experts_nvfp4, unpacked_experts  # noqa: E402
+from decode_grid import round_experts_mxfp4, round_experts_nvfp4, round_fp8_linears, unpacked_experts  # noqa: E402
 from decode_rows import classify, format_row, make_row, side_by_side, HEADER  # noqa: E402
 from timing import graphed  # noqa: E402
 
@@ -123,6 +123,8 @@ def build(layers: int, tp: int, experts: str = "mxfp4"):
         round_experts_nvfp4(model, formats.nvfp4_quant, formats.nvfp4_dequant)
     else:
         round_experts_mxfp4(model, formats.mxfp4_quant, formats.mxfp4_dequant)
+    # FP8 projections on the e4m3 grid, as a checkpoint's: the packed projections keep them as FP8
+    round_fp8_linears(model, formats.fp8_block_quant, getattr(formats, "fp8_block_dequant", None) or _dequant())
     model.set_numerics("reference").eval()
     model.prepare_kernels()
     left = unpacked_experts(model)
@@ -132,8 +134,14 @@ def build(layers: int, tp: int, experts: str = "mxfp4"):
     return cfg, model
 
 
+def _dequant():
+    from engine.numerics import fp8_block_dequant
+    return fp8_block_dequant
+
+
 def step_bytes(model, cfg, tp: int, batch: int, ctx_len: int) -> int:
-    """Bytes one decode step must read at least: weights touched once, plus each sequence's keys."""
+    """Bytes one decode step must read at least: weights touched once (as the step holds them:
+    packed projections' FP8 rows at one byte), plus each sequence's keys."""
     total = 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if "experts.w" in name or name.endswith(("embed.weight", "inv_freq", "tid2eid")) or t is None:
@@ -142,6 +150,11 @@ def step_bytes(model, cfg, tp: int, batch: int, ctx_len: int) -> int:
     for m in model.modules():
         if getattr(m, "qweight", None) is not None:
             total += m.qweight.numel() + m.qscale.numel()
+    for layer in model.layers:          # FP8 rows of the packed projections replace their bf16 weights
+        for p in (getattr(layer, "proj", None) or {}).values():
+            if p is not None and p.w8 is not None:
+                bf16_rows = sum(out for r, _, out, _ in p.outs.values() if r < p.n8)
+                total += p.w8.numel() + p.s8.numel() - bf16_rows * p.K * 2
     E, k = cfg.n_routed_experts, cfg.n_activated_experts
     touched = E * (1 - (1 - 1 / E) ** (batch * k))                  # expected distinct experts
     p = model.layers[0].ffn.experts.packed
@@ -197,10 +210,21 @@ def step_fn(model, cache, ids, slots, positions, table, ctx_len):
                                       cache.layers)
 
 
+def compiled_step(model, cache, ids, slots, positions, table, ctx_len):
+    """The baseline a user would pick instead: the torch reference step (every kernel off) under
+    torch.compile (inductor); the caller captures it in a CUDA graph like ours."""
+    fn = torch.compile(model.forward_step, dynamic=False)
+    return lambda: fn(kv_cache.StepInputs(ids, positions, slots, table, cache.block_tokens, ctx_len), cache.layers)
+
+
 def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
-    """One (context, batch, kernel set): eager and graph step times, the profile, the roofline."""
+    """One (context, batch, kernel set): eager and graph step times, the profile, the roofline.
+    kset "compiled": the reference step under torch.compile (compiled_step)."""
     slots, positions = torch.arange(B, device="cuda"), torch.full((B, 1), ctx_len - 1, device="cuda")
-    run = step_fn(model, cache, ids, slots, positions, table, ctx_len)
+    if kset == "compiled":
+        run = compiled_step(model, cache, ids, slots, positions, table, ctx_len)
+    else:
+        run = step_fn(model, cache, ids, slots, positions, table, ctx_len)
     with torch.inference_mode():
         t_eager = timed(run, reps=10)
         t_graph = None
@@ -209,7 +233,8 @@ def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
             t_graph = timed(replay, reps=20)
             del replay
         br = breakdown(run)
-    row = make_row(ctx=ctx_len, batch=B, variant=args.variant, kernel_set=kset, layers=cfg.n_layers, tp=args.tp,
+    row = make_row(ctx=ctx_len, batch=B, variant="torch.compile" if kset == "compiled" else args.variant,
+                   kernel_set="default" if kset == "compiled" else kset, layers=cfg.n_layers, tp=args.tp,
                    eager_s=t_eager, graph_s=t_graph, nbytes=step_bytes(model, cfg, args.tp, B, ctx_len),
                    bandwidth=bw, breakdown=br)
     print(format_row(row), flush=True)
@@ -218,29 +243,42 @@ def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
 
 def run_all(args, bw) -> list[dict]:
     cfg, model = build(args.layers, args.tp, args.experts)
+    ksets = args.kernel_sets.split(";")
     rows = []
     print(HEADER)
-    for ctx_len in [int(c) for c in args.contexts.split(",")]:
-        for B in [int(b) for b in args.batches.split(",")]:
-            per_seq = KVCache(cfg, 1, 1 << 30, "meta", torch.bfloat16)
-            need = per_seq.slot_bytes() * (B + 1) + per_seq.block_bytes() * (per_seq.blocks_needed(ctx_len) * B + 2)
-            if need > torch.cuda.mem_get_info()[0] * 0.8:
-                print(f"{ctx_len:>6} {B:>4}  skipped: the cache needs {need / 2**30:.1f} GiB")
-                continue
-            cache = KVCache(cfg, B, need, "cuda", torch.bfloat16)
-            nb = cache.blocks_needed(ctx_len)
-            table = torch.tensor([cache.allocate(nb) for _ in range(B)], device="cuda")
-            for c in cache.layers:
-                for t in (c.window, c.kv, c.idx_k):
-                    if t is not None:
-                        t.normal_()
-            ids = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
-            for kset in args.kernel_sets.split(";"):
-                use_kernels(model, kset)
-                rows.append(measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset))
-            use_kernels(model, "default")
-            del cache
-            torch.cuda.empty_cache()
+    # the compiled baseline last: after torch.compile has run, preparing the kernels again trips a
+    # torch dispatcher assert (torch 2.11), so no kernel set is prepared after it
+    for compiled in (False, True) if "compiled" in ksets else (False,):
+        if compiled:
+            use_kernels(model, "none")
+        for ctx_len in [int(c) for c in args.contexts.split(",")]:
+            for B in [int(b) for b in args.batches.split(",")]:
+                per_seq = KVCache(cfg, 1, 1 << 30, "meta", torch.bfloat16)
+                need = per_seq.slot_bytes() * (B + 1) + per_seq.block_bytes() * (per_seq.blocks_needed(ctx_len) * B + 2)
+                if need > torch.cuda.mem_get_info()[0] * 0.8:
+                    print(f"{ctx_len:>6} {B:>4}  skipped: the cache needs {need / 2**30:.1f} GiB")
+                    continue
+                cache = KVCache(cfg, B, need, "cuda", torch.bfloat16)
+                nb = cache.blocks_needed(ctx_len)
+                table = torch.tensor([cache.allocate(nb) for _ in range(B)], device="cuda")
+                for c in cache.layers:
+                    for t in (c.window, c.kv, c.idx_k):
+                        if t is not None:
+                            t.normal_()
+                ids = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
+                for kset in (["compiled"] if compiled else [k for k in ksets if k != "compiled"]):
+                    if not compiled:
+                        use_kernels(model, kset)
+                    try:
+                        rows.append(measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset))
+                    except Exception as e:          # the compiled baseline may not compile: say so, go on
+                        if kset != "compiled":
+                            raise
+                        print(f"{ctx_len:>6} {B:>4}  torch.compile baseline failed: {type(e).__name__}: {str(e)[:300]}")
+                if not compiled:
+                    use_kernels(model, "default")
+                del cache
+                torch.cuda.empty_cache()
     del model
     torch.cuda.empty_cache()
     return rows
@@ -260,8 +298,9 @@ def tree_label(tree: Path) -> str:
 
 def child_command(args, label: str, out: str) -> list[str]:
     """This script, rerun for a --baseline tree: the same measurement, labelled `label`, into `out`."""
+    ksets = ";".join(k for k in args.kernel_sets.split(";") if k != "compiled") or "default"  # compiled: once
     cmd = [sys.executable, str(Path(__file__).resolve()), "--tp", str(args.tp), "--layers", str(args.layers),
-           "--contexts", args.contexts, "--batches", args.batches, "--kernel-sets", args.kernel_sets,
+           "--contexts", args.contexts, "--batches", args.batches, "--kernel-sets", ksets,
            "--experts", args.experts, "--variant", label, "--out", out]
     return cmd + (["--no-graphs"] if args.no_graphs else [])
 
@@ -292,7 +331,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--kernel-sets", default="default",
                     help="';'-separated ENGINE_KERNELS values run side by side on the same model, e.g. "
-                         "'sparse_attn,indexer,bf16_gemm,fused_moe;default' (before/after the glue kernels)")
+                         "'sparse_attn,indexer,bf16_gemm,fused_moe;default' (before/after the glue kernels); "
+                         "'compiled' is the torch reference step under torch.compile")
     ap.add_argument("--experts", choices=("mxfp4", "nvfp4"), default="mxfp4",
                     help="the grid the random routed experts are rounded onto (the fused MoE packs either)")
     ap.add_argument("--baseline", default=None, metavar="DIR",

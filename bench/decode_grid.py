@@ -61,3 +61,17 @@ def round_experts_nvfp4(model, nvfp4_quant, nvfp4_dequant) -> int:
 def unpacked_experts(model) -> list[str]:
     """Names of the experts modules that did not pack (they would run the torch fallback)."""
     return [n for n, m in experts_modules(model) if getattr(m, "packed", None) is None]
+
+
+@torch.no_grad()
+def round_fp8_linears(model, fp8_block_quant, fp8_block_dequant) -> int:
+    """Round every FP8-format Linear's random weight onto the e4m3 + E8M0 grid in place, as a
+    checkpoint's are, so the packed projections keep its rows as FP8 bytes (they take a weight as
+    FP8 only where that is exact). -> number of weights rounded."""
+    n = 0
+    for _, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if type(m).__name__ == "Linear" and getattr(m, "fmt", None) == "fp8" and w is not None and w.dim() == 2:
+            w.copy_(fp8_block_dequant(*fp8_block_quant(w.float())).to(w.dtype))
+            n += 1
+    return n

@@ -120,13 +120,16 @@ def mhc_rows(ctx):
         for M in ctx.Ms:
             h = torch.randn(M, 4, K // 4, device="cuda").bfloat16()
             out = torch.empty(M, N, device="cuda")
-            ws = fg.SplitKWorkspace.sized_for([bg.mhc_mix_need(M, N, K)], "cuda")
             ref_us = ctx.time(lambda: _mix(h, fn, norm_eps=1e-6))
             for lo_, tag in ((lo, "hi+lo"),) if ctx.quick else ((lo, "hi+lo"), (None, "hi")):
-                us = ctx.time(lambda: bg.mhc_mix(h, hi, lo_, 1e-6, out=out, workspace=ws))
-                nbytes = 2 * M * K + 2 * N * K * (2 if lo_ is not None else 1) + 4 * M * N
-                flops = 2 * M * N * K * (2 if lo_ is not None else 1)
-                yield Row("mhc_mix", f"{what} {N}x{K} {tag}", M, us, ref_us, nbytes, flops)
+                # the planned split (None), then forced ones: a skinny N splits K many ways, and
+                # the last split's serial sum of the partials is the latency to trade against
+                for split in (None,) if ctx.quick else (None, 4, 8, 16, 32):
+                    ws = fg.SplitKWorkspace.sized_for([bg.mhc_mix_need(M, N, K, split_k=split)], "cuda")
+                    us = ctx.time(lambda: bg.mhc_mix(h, hi, lo_, 1e-6, out=out, workspace=ws, split_k=split))
+                    nbytes = 2 * M * K + 2 * N * K * (2 if lo_ is not None else 1) + 4 * M * N
+                    flops = 2 * M * N * K * (2 if lo_ is not None else 1)
+                    yield Row("mhc_mix", f"{what} {N}x{K} {tag} split {split or 'auto'}", M, us, ref_us, nbytes, flops)
 
 
 @bench("bf16_gemm")

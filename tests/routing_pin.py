@@ -25,8 +25,8 @@ class _Pins:
 def record():
     pins, orig = _Pins(), step.route
 
-    def route(gate, x, ids, ops):
-        w, idx = orig(gate, x, ids, ops)
+    def route(gate, x, logits, ids, ops):
+        w, idx = orig(gate, x, logits, ids, ops)
         pins.ids.append(idx.clone())
         return w, idx
 
@@ -42,8 +42,8 @@ def replay(recorded: _Pins):
     assert recorded.ids, "no routing call was recorded: is engine.model.step.route still the step's router?"
     pins, orig, queue = _Pins(), step.route, list(recorded.ids)
 
-    def route(gate, x, ids, ops):
-        w, idx = orig(gate, x, ids, ops)
+    def route(gate, x, logits, ids, ops):
+        w, idx = orig(gate, x, logits, ids, ops)
         want = queue.pop(0).to(idx.device)
         pins.calls += 1
         if torch.equal(idx.to(want.dtype), want):

@@ -12,7 +12,7 @@ from .mhc import hc_head
 from ..kernels import Ops
 from ..kernels.bf16_gemm import bf16_gemm_ref
 from ..numerics import Numerics
-from . import step
+from . import projections, step
 from .attention import Attention
 from .compressor import Compressor
 from .indexer import Indexer
@@ -39,6 +39,7 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList(MTPBlock(cfg, dtype=dtype) for _ in range(cfg.n_mtp_layers if with_mtp else 0))
         self.numerics = Numerics.of("plain")
         self.ops = Ops.select("cpu", dtype, "none")    # the references until prepare_kernels
+        self.packed_for = None     # (numerics, ops) the packed projections were built for
 
     def set_numerics(self, mode: str) -> "Transformer":
         """`plain`: no simulation (equals transformers' DeepseekV4). `reference`: DeepSeek's QAT
@@ -48,6 +49,16 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, (Attention, Compressor, Indexer, Linear, Experts)):
                 m.numerics = self.numerics
+        return self
+
+    def pack_projections(self) -> "Transformer":
+        """Pack each block's shared-input projections for ops.proj_gemm (engine.model.projections):
+        FP8 rows stay FP8 where the kernel runs. Redone when numerics or the kernels change (the
+        step does it on its first call after either), before any graph capture."""
+        fp8 = self.ops.uses("proj_gemm")
+        for layer in self.layers:
+            layer.proj = projections.pack_block(layer, self.numerics, fp8)
+        self.packed_for = (self.numerics, self.ops)
         return self
 
     def pack_fp8(self) -> int:
@@ -85,6 +96,7 @@ class Transformer(nn.Module):
                 m.nvfp4_parts = None
         for layer in self.layers:
             layer.prepare_mix(self.ops.uses("mhc"))
+        self.pack_projections()
         log.info("kernels on %s: %s", device, ",".join(sorted(self.ops.kernels)) or "none")
         self.log_moe_paths()
         return self
@@ -141,6 +153,8 @@ class Transformer(nn.Module):
         per-layer caches (updated in place) -> fp32 logits of each row's last token [B,V], or with
         `all_logits` of every position [B,S,V] (prompt logprobs need them; the head then costs S
         times more)."""
+        if self.packed_for != (self.numerics, self.ops):
+            self.pack_projections()
         return step.forward(self, inp, caches, all_logits)
 
     @torch.inference_mode()

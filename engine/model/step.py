@@ -41,9 +41,9 @@ def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits: bool =
 def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Ops, num: Numerics) -> torch.Tensor:
     """h [B,S,hc,D] -> [B,S,hc,D]: attention, then MoE, each wrapped in mHC."""
     x, post, comb = hc_pre(b, h, "attn", ops)                                 # x [B,S,D] normed
-    h = ops.mhc_post(attention(b.attn, x, inp, cache, ops, num), h, post, comb)
+    h = ops.mhc_post(attention(b.attn, x, b.proj["attn"], inp, cache, ops, num), h, post, comb)
     x, post, comb = hc_pre(b, h, "ffn", ops)
-    return ops.mhc_post(moe(b.ffn, x, inp.ids, ops, num), h, post, comb)
+    return ops.mhc_post(moe(b.ffn, x, b.proj["ffn"], inp.ids, ops, num), h, post, comb)
 
 
 def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops):
@@ -64,18 +64,19 @@ def linear(lin: Linear, x: torch.Tensor, ops: Ops, num: Numerics) -> torch.Tenso
 
 
 # ---- attention ----
-def attention(a: Attention, x: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Ops,
+def attention(a: Attention, x: torch.Tensor, proj, inp: StepInputs, cache: LayerCache, ops: Ops,
               num: Numerics) -> torch.Tensor:
     """x [B,S,D] -> [B,S,D]. Each query reads its window (ring rows, plus this chunk's own keys in
     prefill) and, in compressed layers, its compressed entries: flat row lists the sparse MQA
     kernel reads in place."""
     B, S, _ = x.shape
     cos, sin = inp.cos_sin(a.rope_key, a.inv_freq)                                        # [B,S,R/2]
-    qr = ops.rms_norm(linear(a.wq_a, x, ops, num), a.q_norm.weight, a.eps)                  # [B,S,q_lora]
+    y = ops.proj_gemm(x, proj)        # wq_a, wkv, the compressors' and indexer's x projections, one GEMM
+    qr = ops.rms_norm(y["wq_a"], a.q_norm.weight, a.eps)                                    # [B,S,q_lora]
     q = linear(a.wq_b, qr, ops, num).unflatten(-1, (a.n_heads, a.head_dim))                  # [B,S,H,Dh]
     # norms, RoPE, the KV's FP8 rounding; decode also writes its key into the ring here
     ring = cache.window if inp.decode else None
-    q, kv = ops.rope_qkv(q, linear(a.wkv, x, ops, num), a.kv_norm.weight, a.eps, cos, sin,
+    q, kv = ops.rope_qkv(q, y["wkv"], a.kv_norm.weight, a.eps, cos, sin,
                          positions=inp.positions, ring=ring, slots=inp.slots if inp.decode else None,
                          fp8=num.kv_fp8)                                                     # kv [B,S,Dh]
     W = cache.window.shape[1]
@@ -85,10 +86,11 @@ def attention(a: Attention, x: torch.Tensor, inp: StepInputs, cache: LayerCache,
         kv_a, idx_a = chunk_window(kv, inp, cache.window)
     kv_b = idx_b = None
     if a.compressor is not None:
-        compress(a.compressor, x, inp, cache.kv_state, cache.score_state, cache.kv, a.inv_freq, ops, num)
+        compress(a.compressor, y["comp.wkv"], y["comp.wgate"], inp, cache.kv_state, cache.score_state, cache.kv,
+                 a.inv_freq, x.dtype, ops, num)
         n = inp.max_len // a.ratio                                  # entries visible to the latest token
         if a.indexer is not None:
-            idx_b = indexer(a.indexer, x, qr, cos, sin, inp, cache, n, a.inv_freq, ops, num)   # [B*S,k]
+            idx_b = indexer(a.indexer, y, qr, cos, sin, inp, cache, n, a.inv_freq, ops, num)     # [B*S,k]
         else:
             idx_b = inp.once(("entry rows", a.ratio), lambda: entry_rows(inp, a.ratio, n))     # [B*S,n]
         kv_b = cache.kv.flatten(0, 1)
@@ -137,30 +139,31 @@ def entry_rows(inp: StepInputs, ratio: int, n: int) -> torch.Tensor:
 
 
 # ---- compressor and indexer ----
-def compress(c: Compressor, x: torch.Tensor, inp: StepInputs, kv_state: torch.Tensor, score_state: torch.Tensor,
-             store: torch.Tensor, inv_freq: torch.Tensor, ops: Ops, num: Numerics):
-    """Feed x [B,S,D] into the compressor's running state; windows that complete become entries
-    in `store` [blocks, per_block, d]."""
+def compress(c: Compressor, kv: torch.Tensor, score: torch.Tensor, inp: StepInputs, kv_state: torch.Tensor,
+             score_state: torch.Tensor, store: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, ops: Ops,
+             num: Numerics):
+    """Feed this step's projections kv, score [B,S,coff*d] (fp32) into the compressor's running
+    state; windows that complete become entries (in the model's dtype, then `store`'s) in `store`
+    [blocks, per_block, d]."""
     sim = c.sim_of(num)
     if not inp.decode:
-        kv, score = ops.gemm(x, c.wkv.weight), ops.gemm(x, c.wgate.weight)              # [B,S,coff*d] fp32
-        return c.prefill(kv, score, inp, kv_state, score_state, store.flatten(0, 1), inv_freq, x.dtype, sim)
-    kv, score = ops.gemm(x[:, 0], c.wkv.weight), ops.gemm(x[:, 0], c.wgate.weight)      # [B,coff*d] fp32
+        return c.prefill(kv, score, inp, kv_state, score_state, store.flatten(0, 1), inv_freq, dtype, sim)
     cos, sin = inp.cos_sin(f"entry/{c.ratio}", inv_freq, entry_ratio=c.ratio)             # at the entry's position
-    ops.compress_decode(kv, score, c.ape, kv_state, score_state, store.flatten(0, 1), inp.slots, inp.positions,
-                        inp.block_table, inp.block_tokens, c.norm.weight, cos, sin, c.norm.eps, c.ratio,
+    ops.compress_decode(kv[:, 0], score[:, 0], c.ape, kv_state, score_state, store.flatten(0, 1), inp.slots,
+                        inp.positions, inp.block_table, inp.block_tokens, c.norm.weight, cos, sin, c.norm.eps, c.ratio,
                         {None: SIM_NONE, "fp8": SIM_FP8, "fp4": SIM_FP4}[sim])
 
 
-def indexer(ix: Indexer, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def indexer(ix: Indexer, y: dict, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             inp: StepInputs, cache: LayerCache, n: int, inv_freq: torch.Tensor, ops: Ops, num: Numerics):
-    """Update the indexer keys, score each query against the first n entries of its sequence
-    -> the top-k entries' flat pool rows [B*S,k] (-1 where none)."""
-    B, S, _ = x.shape
-    compress(ix.compressor, x, inp, cache.idx_kv_state, cache.idx_score_state, cache.idx_k, inv_freq, ops, num)
+    """Update the indexer keys (from its compressor's projections in y), score each query against
+    the first n entries of its sequence -> the top-k entries' flat pool rows [B*S,k] (-1 where none)."""
+    B, S, _ = qr.shape
+    compress(ix.compressor, y["idx.comp.wkv"], y["idx.comp.wgate"], inp, cache.idx_kv_state, cache.idx_score_state,
+             cache.idx_k, inv_freq, qr.dtype, ops, num)
     q = linear(ix.wq_b, qr, ops, num).unflatten(-1, (ix.n_heads, ix.head_dim))           # [B,S,h,d]
     q = ops.rope_q(q, cos, sin, fp4=num.indexer_fp4)                  # RoPE (then Hadamard + FP4)
-    w = up(linear(ix.weights_proj, x, ops, num)) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)   # [B,S,h]
+    w = up(y["idx.weights_proj"]) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)           # [B,S,h]
     visible = inp.once(("visible entries", ix.ratio), lambda: ((inp.positions + 1) // ix.ratio).flatten())
     table = inp.block_table if S == 1 else inp.block_table.repeat_interleave(S, 0)           # [B*S,blocks]
     k = max(1, min(ix.topk, n))
@@ -169,28 +172,28 @@ def indexer(ix: Indexer, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor, s
 
 
 # ---- MoE ----
-def moe(m: MoE, x: torch.Tensor, ids: torch.Tensor, ops: Ops, num: Numerics) -> torch.Tensor:
+def moe(m: MoE, x: torch.Tensor, proj, ids: torch.Tensor, ops: Ops, num: Numerics) -> torch.Tensor:
     """x [B,S,D], ids [B,S] (hash routing) -> [B,S,D]: routed experts + shared expert, one all-reduce."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])                                                          # [T,D]
-    w, idx = route(m.gate, x, ids.reshape(-1), ops)                                      # [T,k] fp32, ids
+    y = ops.proj_gemm(x, proj) if proj is not None else {}   # shared w1, w3 and the router logits, one GEMM
+    w, idx = route(m.gate, x, y.get("gate"), ids.reshape(-1), ops)                       # [T,k] fp32, ids
     e = m.experts
     if e.packed is not None:     # W4A16: in reference numerics only the input gets the FP8 rounding
-        y = up(ops.fused_moe(ops.fp8_sim(x, 128) if num.act_fp8 and e.quantized else x, w, idx, e.packed, e.limit))
+        out = up(ops.fused_moe(ops.fp8_sim(x, 128) if num.act_fp8 and e.quantized else x, w, idx, e.packed, e.limit))
     else:
-        y = e(x, w, idx)         # the torch experts on the dequantised weights (CPU, small models)
+        out = e(x, w, idx)       # the torch experts on the dequantised weights (CPU, small models)
     s = m.shared_experts
     if s is not None:
-        g, u = linear(s.w1, x, ops, num), linear(s.w3, x, ops, num)
-        y = y + up(linear(s.w2, swiglu(g, u, s.limit).to(x.dtype), ops, num))
-    return all_reduce(y).to(x.dtype).reshape(shape)
+        out = out + up(linear(s.w2, swiglu(y["w1"], y["w3"], s.limit).to(x.dtype), ops, num))
+    return all_reduce(out).to(x.dtype).reshape(shape)
 
 
-def route(gate, x: torch.Tensor, ids: torch.Tensor, ops: Ops):
-    """x [T,D], token ids [T] -> routing weights [T,k] fp32, expert ids [T,k]."""
-    if gate.score_func != "sqrtsoftplus":     # the router kernel scores by sqrt(softplus) only
+def route(gate, x: torch.Tensor, logits: torch.Tensor | None, ids: torch.Tensor, ops: Ops):
+    """x [T,D], the gate's logits [T,E] fp32 (None: a router the kernel does not take), token ids
+    [T] -> routing weights [T,k] fp32, expert ids [T,k]."""
+    if logits is None:
         return gate(x, ids)
-    logits = ops.gemm(x, gate.weight)                                                     # [T,E] fp32
     if gate.is_hash:
         return ops.route(logits, gate.topk, gate.route_scale, tid2eid=gate.tid2eid, token_ids=ids,
                          renorm=gate.norm_topk)

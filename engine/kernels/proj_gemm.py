@@ -1,0 +1,261 @@
+"""Fused projections: every GEMM that reads one input, in one launch, for the decode's weight stream.
+
+At decode M is 1..64 tokens, so a projection costs the bytes of its weight plus a launch; the
+attention reads its normed x through seven small projections (wq_a, wkv, the indexer's
+weights_proj, the two compressors' wkv and wgate), the FFN through three (the shared expert's w1
+and w3, the router gate). `pack_proj` concatenates such a group's weights once, at load, and
+`proj_gemm` computes the group as one GEMM: y[:, n] = x @ W[n]^T, exactly each projection's math.
+
+The concatenated rows come in three regions, each a prefix of the next:
+- [0, n8): FP8 e4m3 rows with one E8M0 scale per 128x128 block (the checkpoint's own bytes: half
+  the bf16 a dequantised copy reads); widened to x's dtype in registers, scaled after each
+  128-deep dot (exact: e4m3 * 2^k is a bf16).
+- [0, n_act): columns whose input DeepSeek rounds to e4m3 per 128 channels (its FP8 GEMMs'
+  activations, reference numerics): x is rounded on the fly, per K block, as fp8_sim does.
+- [0, n_lo): columns stored in x's dtype (a Linear's output) into `lo`; the rest are stored fp32
+  into `hi` (the compressor and router projections, which the reference keeps in fp32).
+Every projection starts on a multiple of ROW_ALIGN (pack_proj pads with zero rows), so an N tile
+lies in one projection and one region: each program takes one of three K loops, and stores into
+that projection's own contiguous [M, out] output (a per-tile table says where), so the consumers
+get plain tensors, not strided slices of one wide output.
+
+Small M leaves most SMs idle with one program per output tile, so K is split over programs
+(kernels/common.py's deterministic split-K: fixed partials, tickets, the last split sums in order).
+Any M works (prefill chunks too): M tiles of up to 64 rows.
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.numerics import fp8_block_dequant, fp8_sim_ref, up
+from .common import get_workspace, interpreting, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
+from .fp8_gemm import load_block_scale, quant_e4m3_rows
+
+QBLOCK = 128          # FP8 scale block and the activation rounding block
+ROW_ALIGN = 64        # region boundaries: a multiple of every BLOCK_N the plans take
+_QB = tl.constexpr(QBLOCK)
+
+
+@dataclass
+class Proj:
+    """A packed group: the weights, the region boundaries, and where each projection lands."""
+    w8: torch.Tensor | None      # [n8, K] float8_e4m3fn
+    s8: torch.Tensor | None      # [ceil(n8/128), K/128] uint8 (E8M0)
+    wd: torch.Tensor | None      # [N - n8, K] in the model's dtype
+    n8: int
+    n_act: int
+    n_lo: int
+    N: int                       # rows, padding included
+    K: int
+    outs: dict                   # name -> (first row, offset in its output buffer / M, width, lo)
+    meta: torch.Tensor           # [N / ROW_ALIGN, 3] int32: each row chunk's (first row, offset, width)
+    lo_width: int                # sum of the lo projections' widths
+    hi_width: int
+
+
+def pack_proj(segments, K: int, dtype, device) -> Proj:
+    """segments: [(name, weight [out, K] (model dtype, dequantised), fp8 (e4m3, E8M0 scales) or None,
+    act: round the input to e4m3, lo: output in x's dtype)], in region order: FP8 first (all with
+    one act flag, whole 128-row scale blocks), then act, then lo. fp8 is given only where its
+    dequantisation is exactly `weight` (the caller checks)."""
+    keys = [(s[2] is not None, s[3], s[4]) for s in segments]
+    assert keys == sorted(keys, reverse=True) and len({k[1] for k in keys if k[0]}) <= 1, \
+        f"segments out of region order: {[(s[0],) + k for s, k in zip(segments, keys)]}"
+    assert all(s[2] is None or s[1].shape[0] % QBLOCK == 0 for s in segments)
+    outs, n, width = {}, 0, {True: 0, False: 0}
+    bounds = {}
+    for (name, w, fp8, act, lo), key in zip(segments, keys):
+        for region, inside in zip(("n8", "n_act", "n_lo"), key):
+            if not inside:
+                bounds.setdefault(region, n)
+        outs[name] = (n, width[lo], w.shape[0], lo)
+        width[lo] += w.shape[0]
+        n += w.shape[0] + (-w.shape[0] % ROW_ALIGN)
+    n8, n_act, n_lo = (bounds.get(r, n) for r in ("n8", "n_act", "n_lo"))
+    w8 = torch.zeros(n8, K, dtype=torch.float8_e4m3fn, device=device) if n8 else None
+    s8 = torch.full((triton.cdiv(n8, QBLOCK), K // QBLOCK), 127, dtype=torch.uint8, device=device) if n8 else None
+    wd = torch.zeros(n - n8, K, dtype=dtype, device=device) if n > n8 else None
+    meta = torch.zeros(n // ROW_ALIGN, 3, dtype=torch.int32)
+    for name, w, fp8, _, _ in segments:
+        r, off, out, _ = outs[name]
+        meta[r // ROW_ALIGN:(r + out + ROW_ALIGN - 1) // ROW_ALIGN] = torch.tensor([r, off, out], dtype=torch.int32)
+        if fp8 is not None:
+            w8[r:r + out] = fp8[0]
+            s8[r // QBLOCK:r // QBLOCK + fp8[1].shape[0]] = fp8[1].view(torch.uint8)
+        else:
+            wd[r - n8:r - n8 + out] = w
+    return Proj(w8, s8, wd, n8, n_act, n_lo, n, K, outs, meta.to(device), width[True], width[False])
+
+
+def split_outputs(p: Proj, lo: torch.Tensor, hi: torch.Tensor, lead) -> dict:
+    """The flat output buffers -> {name: [*lead, out]} (contiguous views)."""
+    M = lo.numel() // max(p.lo_width, 1) if p.lo_width else hi.numel() // max(p.hi_width, 1)
+    res = {}
+    for name, (_, off, out, is_lo) in p.outs.items():
+        buf = lo if is_lo else hi
+        res[name] = buf[off * M:(off + out) * M].view(*lead, out)
+    return res
+
+
+# ----------------------------------------------------------------------------- kernel
+
+@triton.jit
+def _xload(x_row, k, rm, ACT: tl.constexpr, SW_ROUND: tl.constexpr):
+    """x [BM, 128] at K offsets k; ACT: rounded to e4m3 with a power-of-two scale per row (fp8_sim)."""
+    x = tl.load(x_row + k[None, :], mask=rm[:, None], other=0.0)
+    if ACT:
+        q, sa = quant_e4m3_rows(x.to(tl.float32), SW_ROUND)
+        x = (q.to(tl.float32) * sa[:, None]).to(x.dtype)        # exact: 4 significant bits
+    return x
+
+
+@triton.jit
+def _dot_t(x, w, acc):
+    """acc + x @ w^T, w widened to x's dtype (fp32 tests: the exact path, not tf32)."""
+    if x.dtype == tl.float32:
+        return tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+
+
+@triton.jit
+def _k_loop(x_row, w_row, s_row, s_ptr, rm, cm, kb0, kb1, acc,
+            FP8: tl.constexpr, ACT: tl.constexpr, SW_ROUND: tl.constexpr):
+    kk = tl.arange(0, _QB)
+    for kb in range(kb0, kb1):
+        k = kb * _QB + kk
+        x = _xload(x_row, k, rm, ACT, SW_ROUND)                                      # [BM, 128]
+        w = tl.load(w_row + k[None, :], mask=cm[:, None], other=0.0)                 # [BN, 128]
+        if FP8:     # a fresh dot per scale block, scaled into the fp32 accumulator
+            sb = load_block_scale(s_ptr, s_row + kb, cm, True)
+            acc += _dot_t(x, w, tl.zeros_like(acc)) * sb[None, :]
+        else:
+            acc = _dot_t(x, w, acc)
+    return acc
+
+
+@triton.jit
+def _proj_kernel(x_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr, lo_ptr, hi_ptr, part_ptr, ticket_ptr,
+                 M, N, K, n8, n_act, n_lo, kb_per_split, n_split,
+                 stride_xm, stride_s8,
+                 ACT8: tl.constexpr, SW_ROUND: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr):
+    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n0 = pid_n * BLOCK_N
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    rm, cm = rows < M, cols < N
+    x_row = x_ptr + rows[:, None] * stride_xm                                        # [BM, 1]
+    kb0 = pid_s * kb_per_split
+    kb1 = tl.minimum(kb0 + kb_per_split, K // _QB)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if n0 < n8:
+        acc = _k_loop(x_row, w8_ptr + cols.to(tl.int64)[:, None] * K, (cols // _QB) * stride_s8, s8_ptr,
+                      rm, cm, kb0, kb1, acc, True, ACT8, SW_ROUND)
+    elif n0 < n_act:
+        acc = _k_loop(x_row, wd_ptr + (cols - n8).to(tl.int64)[:, None] * K, cols, s8_ptr, rm, cm, kb0, kb1, acc,
+                      False, True, SW_ROUND)
+    else:
+        acc = _k_loop(x_row, wd_ptr + (cols - n8).to(tl.int64)[:, None] * K, cols, s8_ptr, rm, cm, kb0, kb1, acc,
+                      False, False, SW_ROUND)
+    mask = rm[:, None] & cm[None, :]
+    if SPLIT:
+        p_offs = rows[:, None] * N + cols[None, :]
+        tp = ticket_ptr + pid_m * tl.num_programs(0) + pid_n
+        if splitk_arrive(acc, part_ptr + pid_s * M * N, p_offs, mask, tp, n_split):
+            acc = splitk_total(part_ptr, p_offs, mask, M * N, n_split)
+            splitk_reset(tp)
+            _store(acc, meta_ptr, lo_ptr, hi_ptr, rows, cols, rm, n0, n_lo, M, ALIGN)
+    else:
+        _store(acc, meta_ptr, lo_ptr, hi_ptr, rows, cols, rm, n0, n_lo, M, ALIGN)
+
+
+@triton.jit
+def _store(acc, meta_ptr, lo_ptr, hi_ptr, rows, cols, rm, n0, n_lo, M, ALIGN: tl.constexpr):
+    """Into the tile's projection: its own [M, width] block of the lo or hi buffer (padding rows dropped)."""
+    meta = meta_ptr + (n0 // ALIGN) * 3
+    first, off, width = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
+    c = cols - first
+    mask = rm[:, None] & (c < width)[None, :]
+    offs = off * M + rows[:, None] * width + c[None, :]
+    if n0 < n_lo:
+        ty = lo_ptr.dtype.element_ty
+        tl.store(lo_ptr + offs, round_to(acc, ty).to(ty), mask=mask)
+    else:
+        tl.store(hi_ptr + offs, acc, mask=mask)
+
+
+# ----------------------------------------------------------------------------- host
+
+@dataclass(frozen=True)
+class ProjPlan:
+    block_m: int
+    block_n: int
+    split: int
+    kb_per_split: int
+    grid: tuple
+    num_warps: int
+    num_stages: int
+
+
+def proj_plan(M, N, K, device=None, block_n=None, split_k=None, num_warps=None, num_stages=None) -> ProjPlan:
+    """Tiles for y [M, N]: M tiles of up to 64 rows; N tiles of 32, or 64 for wide groups past
+    M = 16; K split for ~2 programs per SM; 4 stages, 3 past M = 16 (two 64x128 tiles a stage fill
+    the shared memory). From bench/proj.py --sweep on the H200 (bench/RESULTS.md). The
+    overrides are for tuning."""
+    bm = min(64, max(16, triton.next_power_of_2(M)))
+    bn = block_n or (64 if M > 16 and N >= 2048 else 32)
+    assert ROW_ALIGN % bn == 0
+    n_m, n_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
+    sp = plan_split(n_m * n_n, K // QBLOCK, num_sms(device), split_k)
+    return ProjPlan(bm, bn, sp.split, sp.kb_per_split, (n_n, n_m, sp.split), num_warps or 4,
+                    num_stages or (4 if M <= 16 else 3))
+
+
+def proj_gemm(x: torch.Tensor, p: Proj, workspace=None, **plan_kw) -> dict:
+    """x [..., K] -> {name: [..., out]}: each projection of the group, in x's dtype (lo) or fp32
+    (hi). K must be a multiple of 128 (else the reference runs)."""
+    if p.K % QBLOCK or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return proj_gemm_ref(x, p)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, p.K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    lo = torch.empty(M * p.lo_width, dtype=x.dtype, device=x.device)
+    hi = torch.empty(M * p.hi_width, dtype=torch.float32, device=x.device)
+    if M:
+        pl = proj_plan(M, p.N, p.K, x.device, **plan_kw)
+        split = pl.split > 1
+        ws = get_workspace(workspace, pl.split * M * p.N, pl.grid[0] * pl.grid[1], x.device) if split else None
+        _proj_kernel[pl.grid](
+            x2, p.w8 if p.w8 is not None else x2, p.s8 if p.s8 is not None else x2,
+            p.wd if p.wd is not None else x2, p.meta, lo, hi, ws.partials if split else hi,
+            ws.tickets if split else hi,
+            M, p.N, p.K, p.n8, p.n_act, p.n_lo, pl.kb_per_split, pl.split,
+            x2.stride(0), p.s8.stride(0) if p.s8 is not None else 0,
+            ACT8=p.n_act >= p.n8 > 0, SW_ROUND=interpreting(), SPLIT=split,
+            BLOCK_M=pl.block_m, BLOCK_N=pl.block_n, ALIGN=ROW_ALIGN, num_warps=pl.num_warps,
+            num_stages=pl.num_stages)
+    return split_outputs(p, lo, hi, lead)
+
+
+def proj_gemm_ref(x: torch.Tensor, p: Proj, **_) -> dict:
+    """Torch reference: each projection's math on its dequantised rows, fp32 accumulate (fp64 for
+    an fp64 model); lo outputs cast to x's dtype."""
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xs = {False: up(x).to(wide)}
+    res = {}
+    for name, (r, _, out, lo) in p.outs.items():
+        if r < p.n8:
+            w = fp8_block_dequant(p.w8[r:r + out], p.s8[r // QBLOCK:(r + out + QBLOCK - 1) // QBLOCK]
+                                  .view(torch.float8_e8m0fnu))
+        else:
+            w = p.wd[r - p.n8:r - p.n8 + out]
+        act = r < p.n_act
+        if act not in xs:
+            xs[act] = up(fp8_sim_ref(x, QBLOCK)).to(wide)
+        y = xs[act] @ w.to(wide).T
+        res[name] = y.to(x.dtype) if lo else y.to(wide if wide == torch.float64 else torch.float32)
+    return res

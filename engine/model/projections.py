@@ -1,0 +1,87 @@
+"""The projections that read one input, packed as one GEMM (engine.kernels.proj_gemm).
+
+Per block, two groups, each a single launch at decode:
+- "attn", on the attention's normed x [.., D]: wq_a and wkv (FP8 Linears: input rounded to e4m3
+  in reference numerics, outputs in the model dtype), the indexer's weights_proj (bf16 Linear),
+  then the attention compressor's and the indexer compressor's wkv and wgate (fp32 outputs, as
+  Compressor.project computes them).
+- "ffn", on the FFN's normed x: the shared expert's w1 and w3 (FP8), then the router gate's
+  logits (fp32), when the router is the sqrt-softplus one the router kernel takes.
+The q latent's two projections (wq_b, the indexer's wq_b) and the lone wo_b and w2 stay on
+cuBLAS: bench/proj.py measures the packed kernel slower there at M = 64 (bench/RESULTS.md).
+
+FP8 rows are kept as the checkpoint's e4m3 + E8M0 bytes when the kernel runs (half the bytes of
+the dequantised copy), re-derived from the loaded weight and used only if that is exact, as it is
+for every checkpoint weight. Dense rows are copied into the packed buffer once and the module's
+weight becomes a view of it (no second copy). Packing is redone whenever numerics (which rows
+round their input) or the kernel set change: Transformer.pack_projections.
+"""
+import torch
+
+from ..kernels.proj_gemm import QBLOCK, Proj, pack_proj
+from ..numerics import Numerics, fp8_block_dequant
+from .block import Block
+from .linear import Linear
+
+
+def fp8_rows(lin: Linear):
+    """(e4m3, E8M0) of an FP8 Linear whose dequantisation is exactly its weight, else None."""
+    if lin.qweight is not None:
+        return lin.qweight, lin.qscale
+    w = lin.weight
+    if lin.fmt != "fp8" or w.dtype != torch.bfloat16 or w.shape[0] % QBLOCK or w.shape[1] % QBLOCK:
+        return None
+    from .formats import fp8_block_quant
+    q, s = fp8_block_quant(w.float())
+    return (q, s) if torch.equal(fp8_block_dequant(q, s), w.float()) else None
+
+
+def _linear(name: str, lin: Linear, num: Numerics, fp8: bool, lo: bool = True):
+    rows = fp8_rows(lin) if fp8 else None
+    w = lin.weight if lin.weight is not None else fp8_block_dequant(lin.qweight, lin.qscale).to(torch.bfloat16)
+    return name, w, rows, num.act_fp8 and lin.fp8_gemm, lo
+
+
+def attn_segments(b: Block, num: Numerics, fp8: bool) -> list:
+    a = b.attn
+    segs = [_linear("wq_a", a.wq_a, num, fp8), _linear("wkv", a.wkv, num, fp8)]
+    ix = a.indexer
+    if ix is not None:
+        segs.append(_linear("idx.weights_proj", ix.weights_proj, num, False))
+    for prefix, c in (("comp.", a.compressor), ("idx.comp.", ix.compressor if ix is not None else None)):
+        if c is not None:
+            segs += [(prefix + "wkv", c.wkv.weight, None, False, False), (prefix + "wgate", c.wgate.weight, None, False, False)]
+    return segs
+
+
+def ffn_segments(b: Block, num: Numerics, fp8: bool) -> list:
+    m, segs = b.ffn, []
+    if m.shared_experts is not None:
+        segs += [_linear("w1", m.shared_experts.w1, num, fp8), _linear("w3", m.shared_experts.w3, num, fp8)]
+    if m.gate.score_func == "sqrtsoftplus":     # the others route through Gate.forward
+        segs.append(("gate", m.gate.weight, None, False, False))
+    return segs
+
+
+def pack_block(b: Block, num: Numerics, fp8: bool) -> dict:
+    """-> {"attn": Proj, "ffn": Proj or None}; the dense rows' module weights become views of it."""
+    out = {}
+    for group, segs in (("attn", attn_segments(b, num, fp8)), ("ffn", ffn_segments(b, num, fp8))):
+        segs.sort(key=lambda s: (s[2] is not None, s[3], s[4]), reverse=True)     # region order
+        if not segs:
+            out[group] = None
+            continue
+        w0 = segs[0][1]
+        p = pack_proj(segs, w0.shape[1], w0.dtype, w0.device)
+        _share(b, p, segs)
+        out[group] = p
+    return out
+
+
+def _share(b: Block, p: Proj, segs):
+    """Point each dense row block's module weight at its rows of the packed buffer."""
+    params = {id(prm): prm for prm in b.parameters()}
+    for name, w, fp8, _, _ in segs:
+        if fp8 is None and id(w) in params:
+            r, _, out, _ = p.outs[name]
+            w.data = p.wd[r - p.n8:r - p.n8 + out]
