@@ -210,21 +210,10 @@ def step_fn(model, cache, ids, slots, positions, table, ctx_len):
                                       cache.layers)
 
 
-def compiled_step(model, cache, ids, slots, positions, table, ctx_len):
-    """The baseline a user would pick instead: the torch reference step (every kernel off) under
-    torch.compile (inductor); the caller captures it in a CUDA graph like ours."""
-    fn = torch.compile(model.forward_step, dynamic=False)
-    return lambda: fn(kv_cache.StepInputs(ids, positions, slots, table, cache.block_tokens, ctx_len), cache.layers)
-
-
 def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
-    """One (context, batch, kernel set): eager and graph step times, the profile, the roofline.
-    kset "compiled": the reference step under torch.compile (compiled_step)."""
+    """One (context, batch, kernel set): eager and graph step times, the profile, the roofline."""
     slots, positions = torch.arange(B, device="cuda"), torch.full((B, 1), ctx_len - 1, device="cuda")
-    if kset == "compiled":
-        run = compiled_step(model, cache, ids, slots, positions, table, ctx_len)
-    else:
-        run = step_fn(model, cache, ids, slots, positions, table, ctx_len)
+    run = step_fn(model, cache, ids, slots, positions, table, ctx_len)
     with torch.inference_mode():
         t_eager = timed(run, reps=10)
         t_graph = None
@@ -233,8 +222,7 @@ def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
             t_graph = timed(replay, reps=20)
             del replay
         br = breakdown(run)
-    row = make_row(ctx=ctx_len, batch=B, variant="torch.compile" if kset == "compiled" else args.variant,
-                   kernel_set="default" if kset == "compiled" else kset, layers=cfg.n_layers, tp=args.tp,
+    row = make_row(ctx=ctx_len, batch=B, variant=args.variant, kernel_set=kset, layers=cfg.n_layers, tp=args.tp,
                    eager_s=t_eager, graph_s=t_graph, nbytes=step_bytes(model, cfg, args.tp, B, ctx_len),
                    bandwidth=bw, breakdown=br)
     print(format_row(row), flush=True)
@@ -243,42 +231,29 @@ def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
 
 def run_all(args, bw) -> list[dict]:
     cfg, model = build(args.layers, args.tp, args.experts)
-    ksets = args.kernel_sets.split(";")
     rows = []
     print(HEADER)
-    # the compiled baseline last: after torch.compile has run, preparing the kernels again trips a
-    # torch dispatcher assert (torch 2.11), so no kernel set is prepared after it
-    for compiled in (False, True) if "compiled" in ksets else (False,):
-        if compiled:
-            use_kernels(model, "none")
-        for ctx_len in [int(c) for c in args.contexts.split(",")]:
-            for B in [int(b) for b in args.batches.split(",")]:
-                per_seq = KVCache(cfg, 1, 1 << 30, "meta", torch.bfloat16)
-                need = per_seq.slot_bytes() * (B + 1) + per_seq.block_bytes() * (per_seq.blocks_needed(ctx_len) * B + 2)
-                if need > torch.cuda.mem_get_info()[0] * 0.8:
-                    print(f"{ctx_len:>6} {B:>4}  skipped: the cache needs {need / 2**30:.1f} GiB")
-                    continue
-                cache = KVCache(cfg, B, need, "cuda", torch.bfloat16)
-                nb = cache.blocks_needed(ctx_len)
-                table = torch.tensor([cache.allocate(nb) for _ in range(B)], device="cuda")
-                for c in cache.layers:
-                    for t in (c.window, c.kv, c.idx_k):
-                        if t is not None:
-                            t.normal_()
-                ids = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
-                for kset in (["compiled"] if compiled else [k for k in ksets if k != "compiled"]):
-                    if not compiled:
-                        use_kernels(model, kset)
-                    try:
-                        rows.append(measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset))
-                    except Exception as e:          # the compiled baseline may not compile: say so, go on
-                        if kset != "compiled":
-                            raise
-                        print(f"{ctx_len:>6} {B:>4}  torch.compile baseline failed: {type(e).__name__}: {str(e)[:300]}")
-                if not compiled:
-                    use_kernels(model, "default")
-                del cache
-                torch.cuda.empty_cache()
+    for ctx_len in [int(c) for c in args.contexts.split(",")]:
+        for B in [int(b) for b in args.batches.split(",")]:
+            per_seq = KVCache(cfg, 1, 1 << 30, "meta", torch.bfloat16)
+            need = per_seq.slot_bytes() * (B + 1) + per_seq.block_bytes() * (per_seq.blocks_needed(ctx_len) * B + 2)
+            if need > torch.cuda.mem_get_info()[0] * 0.8:
+                print(f"{ctx_len:>6} {B:>4}  skipped: the cache needs {need / 2**30:.1f} GiB")
+                continue
+            cache = KVCache(cfg, B, need, "cuda", torch.bfloat16)
+            nb = cache.blocks_needed(ctx_len)
+            table = torch.tensor([cache.allocate(nb) for _ in range(B)], device="cuda")
+            for c in cache.layers:
+                for t in (c.window, c.kv, c.idx_k):
+                    if t is not None:
+                        t.normal_()
+            ids = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
+            for kset in args.kernel_sets.split(";"):
+                use_kernels(model, kset)
+                rows.append(measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset))
+            use_kernels(model, "default")
+            del cache
+            torch.cuda.empty_cache()
     del model
     torch.cuda.empty_cache()
     return rows
@@ -298,9 +273,8 @@ def tree_label(tree: Path) -> str:
 
 def child_command(args, label: str, out: str) -> list[str]:
     """This script, rerun for a --baseline tree: the same measurement, labelled `label`, into `out`."""
-    ksets = ";".join(k for k in args.kernel_sets.split(";") if k != "compiled") or "default"  # compiled: once
     cmd = [sys.executable, str(Path(__file__).resolve()), "--tp", str(args.tp), "--layers", str(args.layers),
-           "--contexts", args.contexts, "--batches", args.batches, "--kernel-sets", ksets,
+           "--contexts", args.contexts, "--batches", args.batches, "--kernel-sets", args.kernel_sets,
            "--experts", args.experts, "--variant", label, "--out", out]
     return cmd + (["--no-graphs"] if args.no_graphs else [])
 
@@ -331,8 +305,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--kernel-sets", default="default",
                     help="';'-separated ENGINE_KERNELS values run side by side on the same model, e.g. "
-                         "'sparse_attn,indexer,bf16_gemm,fused_moe;default' (before/after the glue kernels); "
-                         "'compiled' is the torch reference step under torch.compile")
+                         "'sparse_attn,indexer,bf16_gemm,fused_moe;default' (before/after the glue kernels)")
     ap.add_argument("--experts", choices=("mxfp4", "nvfp4"), default="mxfp4",
                     help="the grid the random routed experts are rounded onto (the fused MoE packs either)")
     ap.add_argument("--baseline", default=None, metavar="DIR",
