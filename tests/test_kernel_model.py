@@ -19,24 +19,35 @@ equal except at a near-tie (top-two margin within the same tolerance). A wrong k
 logits by O(1). The GPU twin is tests/test_gpu_model_kernels.py.
 """
 import json
+import subprocess
 import sys
 import tempfile
 
 import pytest
 
-from interp import run_child
+from interp import ROOT, child_env
 
 TOL = 1e-2
+CASES = {"tiny-plain": (30, 11, 5), "tiny-reference": (30, 11, 5), "flash-plain": (44, 9), "nvfp4-plain": (20, 7)}
 
 
 @pytest.fixture(scope="module")
-def result():
-    return json.loads(run_child(__file__, timeout=1500).strip().splitlines()[-1])
+def children():
+    """One interpreter child per case, all started at once (each is single-threaded Python: on a
+    2-core machine the module takes half the time it takes serially); awaited per test."""
+    env = {**child_env(), "OMP_NUM_THREADS": "1"}
+    procs = {c: subprocess.Popen([sys.executable, __file__, c], cwd=ROOT, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for c in CASES}
+    yield procs
+    for p in procs.values():
+        p.kill()
 
 
-@pytest.mark.parametrize("case", ["tiny-plain", "tiny-reference", "flash-plain", "nvfp4-plain"])
-def test_kernels_match_torch(result, case):
-    r = result[case]
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernels_match_torch(children, case):
+    out, _ = children[case].communicate(timeout=1500)
+    assert children[case].returncode == 0, out[-12000:]
+    r = json.loads(out.strip().splitlines()[-1])
     print(case, {k: v for k, v in r.items() if k != "tokens"})
     assert r["mismatch"] is None and r["max_rel_err"] <= r["tol"], r
 
@@ -112,7 +123,8 @@ def pack_experts(llm):
             assert m.pack(), "experts did not pack"
 
 
-def _child():
+def _child(case: str):
+    """Run one case under the interpreter; its result is the last line printed (JSON)."""
     from interp import patch_interpreter
     patch_interpreter()
     import torch
@@ -121,20 +133,17 @@ def _child():
     from weights.make_tiny import make_tiny
 
     K.CPU_INTERPRETED = True
-    out = {}
+    preset, numerics = case.split("-")
     with tempfile.TemporaryDirectory() as tmp:
-        for case, lens in (("tiny-plain", (30, 11, 5)), ("tiny-reference", (30, 11, 5)), ("flash-plain", (44, 9)),
-                           ("nvfp4-plain", (20, 7))):
-            preset, numerics = case.split("-")
-            path = make_tiny(f"{tmp}/{case}", preset=preset, seed=0)
-            g = torch.Generator().manual_seed(1)
-            prompts = [torch.randint(2, 129280, (m,), generator=g).tolist() for m in lens]
-            # the fused MoE's packed experts (prepare_kernels packs them when the kernel runs: checked)
-            out[case] = kernels_vs_torch(lambda dtype: LLM(path, device="cpu", dtype=dtype, numerics=numerics,
-                                                           max_model_len=512, skip_tokenizer_init=True), prompts, n=4 if preset != "nvfp4" else 3,
-                                         prepare=pack_experts)
+        path = make_tiny(f"{tmp}/{case}", preset=preset, seed=0)
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(2, 129280, (m,), generator=g).tolist() for m in CASES[case]]
+        # the fused MoE's packed experts (prepare_kernels packs them when the kernel runs: checked)
+        out = kernels_vs_torch(lambda dtype: LLM(path, device="cpu", dtype=dtype, numerics=numerics,
+                                                 max_model_len=512, skip_tokenizer_init=True), prompts,
+                               n=4 if preset != "nvfp4" else 3, prepare=pack_experts)
     print(json.dumps(out))
 
 
 if __name__ == "__main__":
-    sys.exit(_child())
+    sys.exit(_child(sys.argv[1]))
