@@ -8,7 +8,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+# appended, not prepended: bench/kernels.py must never shadow an installed `kernels` package
+# (transformers >= 5.25 imports HF's `kernels` when it is installed)
+sys.path.append(str(ROOT / "bench"))
 
 from decode_grid import round_experts_mxfp4, round_experts_nvfp4, unpacked_experts  # noqa: E402
 from decode_rows import make_row, side_by_side  # noqa: E402
@@ -62,7 +64,8 @@ def test_rows_and_side_by_side():
     assert len(lines) == 3 and "c478b5a" in lines[1] and "HEAD" in lines[2] and "x2.00 vs c478b5a" in lines[2]
 
 
-def test_baseline_child_runs_this_script_on_the_other_tree(tmp_path):
+def test_baseline_child_runs_this_script_on_the_other_tree(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))   # decode.py puts bench/ first: undo it after the test
     import decode
 
     args = decode.parse_args(["--quick", "--baseline", str(tmp_path), "--experts", "nvfp4"])

@@ -11,7 +11,9 @@ from types import SimpleNamespace as NS
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+# appended, not prepended: bench/kernels.py must never shadow an installed `kernels` package
+# (transformers >= 5.25 imports HF's `kernels` when it is installed)
+sys.path.append(str(ROOT / "bench"))
 
 from serving_metrics import RequestResult, make_row, percentile, read_stream  # noqa: E402
 
