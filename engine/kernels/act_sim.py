@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from engine.numerics import fp4_sim_ref, fp8_sim_ref  # noqa: F401 (the references)
-from .common import round_to
+from .common import gdc_enter, pdl_args, round_to
 
 
 @triton.jit
@@ -80,7 +80,8 @@ def hadamard_rows(y, scale, M: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexp
 
 @triton.jit
 def _sim_kernel(x_ptr, y_ptr, D, stride_xt, stride_yt,
-                FP4: tl.constexpr, FB: tl.constexpr, BLOCK: tl.constexpr):
+                FP4: tl.constexpr, FB: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = d < D                                                # D % FB == 0: whole blocks only
@@ -102,7 +103,7 @@ def _launch(x, block, fp4, out):
     if x2.shape[0]:
         bl = min(max(block, 1024), triton.next_power_of_2(D))
         _sim_kernel[(x2.shape[0], triton.cdiv(D, bl))](x2, y, D, x2.stride(0), y.stride(0),
-                                                       FP4=fp4, FB=block, BLOCK=bl, num_warps=4)
+                                                       FP4=fp4, FB=block, BLOCK=bl, num_warps=4, **pdl_args())
     return y.view(x.shape) if out is None else out
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from engine.numerics import up
-from .common import SplitPlan, get_workspace, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
+from .common import gdc_enter, pdl_args, SplitPlan, get_workspace, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
 
 
 @triton.jit
@@ -33,7 +33,9 @@ def _bf16_gemm_kernel(a_ptr, b_ptr, lo_ptr, y_ptr, part_ptr, ticket_ptr,
                       M, N, K, kb_per_split, n_split, eps,
                       stride_ab, stride_am, stride_bb, stride_bn, stride_yb, stride_ym,
                       HAS_LO: tl.constexpr, SUMSQ: tl.constexpr, SPLIT: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     bat, pid_s = tl.program_id(2) // n_split, tl.program_id(2) % n_split
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -132,7 +134,7 @@ def _launch(a3, b3, lo, y3, eps, sumsq, workspace, plan_kw):
         a3.stride(0), a3.stride(1), b3.stride(0) if b3.shape[0] > 1 else 0, b3.stride(1),
         y3.stride(0), y3.stride(1),
         HAS_LO=lo is not None, SUMSQ=sumsq, SPLIT=split, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
-        BLOCK_K=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages)
+        BLOCK_K=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args())
     return y3
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine.numerics import up
 
@@ -40,6 +41,35 @@ def _cuda_sms(index: int) -> int:
 def interpreting() -> bool:
     """Kernels run under the Triton interpreter (TRITON_INTERPRET=1, the CPU tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------- programmatic dependent launch
+
+def pdl_args() -> dict:
+    """Launch options of every kernel: on Hopper and later (and unless ENGINE_PDL=0) each kernel is
+    launched as a programmatic dependent of the one before it (Triton's launch_pdl), so its blocks
+    are scheduled and set up while the previous kernel drains; USE_GDC makes the kernel wait for
+    that kernel's completion (gdc_enter) before it reads or writes any memory. Under CUDA graphs
+    the dependency is captured as a programmatic edge. Off in the interpreter and on CPU."""
+    return {"USE_GDC": True, "launch_pdl": True} if _pdl_on() else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_on() -> bool:
+    return (os.environ.get("ENGINE_PDL", "1") != "0" and not interpreting() and torch.cuda.is_available()
+            and torch.cuda.get_device_capability()[0] >= 9)
+
+
+@triton.jit
+def gdc_enter(USE_GDC: tl.constexpr):
+    """First statement of every kernel: wait until the previous kernel in the stream has completed
+    and its writes are visible (griddepcontrol.wait), then let the next kernel launch early
+    (griddepcontrol.launch_dependents: it takes effect once every block of this grid has run it,
+    and the next kernel waits for this one's completion in turn). Nothing is read before the wait,
+    so the order of memory effects is exactly that of plain launches."""
+    if USE_GDC:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 # ----------------------------------------------------------------------------- scratch buffers

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from engine.numerics import fp4_sim_ref, fp8_sim_ref, hadamard
 from .act_sim import fp4_round_trip, fp8_round_trip, hadamard_rows
-from .common import apply_rope, entry_loc, round_to
+from .common import gdc_enter, pdl_args, apply_rope, entry_loc, round_to
 from .rms_norm import rms_norm_ref
 from .rope_kv import _rope
 
@@ -34,7 +34,8 @@ def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, kst_ptr, sst_ptr, store_ptr, slot_
                      per_block, eps, hscale,
                      D: tl.constexpr, C: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr,
                      OFF: tl.constexpr, ROWS: tl.constexpr, OVERLAP: tl.constexpr, SIM: tl.constexpr,
-                     ROWS_BLOCK: tl.constexpr, LOG_D: tl.constexpr):
+                     ROWS_BLOCK: tl.constexpr, LOG_D: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     b = tl.program_id(0)
     slot = tl.load(slot_ptr + b)
     p = tl.load(pos_ptr + b * stride_pos)
@@ -121,7 +122,7 @@ def compress_decode(kv, score, ape, kv_state, score_state, store, slots, positio
             kv.stride(0), score.stride(0), positions.stride(0), block_table.stride(0), block_table.shape[1],
             block_tokens // ratio, eps, D ** -0.5,
             D=D, C=C, R=R, RATIO=ratio, OFF=ratio if overlap else 0, ROWS=rows, OVERLAP=overlap, SIM=sim,
-            ROWS_BLOCK=min(rows, max(1, 4096 // D)), LOG_D=D.bit_length() - 1, num_warps=4)
+            ROWS_BLOCK=min(rows, max(1, 4096 // D)), LOG_D=D.bit_length() - 1, num_warps=4, **pdl_args())
 
 
 def compress_decode_ref(kv, score, ape, kv_state, score_state, store, slots, positions, block_table, block_tokens,

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from engine.numerics import fp8_block_dequant, fp8_sim_ref as fp8_sim
 # The split-K pieces live in common (shared with bf16_gemm); re-exported for the tests and bench.
-from .common import (MAX_SPLIT, SplitKWorkspace, SplitPlan, get_workspace, interpreting,  # noqa: F401
+from .common import (gdc_enter, pdl_args, MAX_SPLIT, SplitKWorkspace, SplitPlan, get_workspace, interpreting,  # noqa: F401
                      num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total)
 
 QBLOCK = 128                      # weight scale block and activation quant block
@@ -79,8 +79,9 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, ticket_ptr,
                      M, N, K, n_per_group, kb_per_split, n_split,
                      stride_xm, stride_wn, stride_sn, stride_ym,
                      ACT_QUANT: tl.constexpr, E8M0: tl.constexpr, SW_ROUND: tl.constexpr,
-                     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr = False):
     # m fastest: the programs sharing one W tile run side by side and read it from L2
+    gdc_enter(USE_GDC)
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,7 +194,7 @@ def fp8_gemm(x, weight, scale, act_quant=True, groups=1, out=None, out_dtype=tor
         M, groups * N, K, N, p.split.kb_per_split, p.split.split,
         x2.stride(0), weight.stride(0), scale.stride(0), y2.stride(0),
         ACT_QUANT=act_quant, E8M0=scale.dtype == torch.uint8, SW_ROUND=interpreting(), SPLIT=split,
-        BLOCK_M=p.block_m, BLOCK_N=p.block_n, num_warps=p.num_warps, num_stages=p.num_stages)
+        BLOCK_M=p.block_m, BLOCK_N=p.block_n, num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args())
     return y
 
 

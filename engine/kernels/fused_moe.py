@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from engine.numerics import E2M1_VALUES, up, up_dtype
-from .common import interpreting, num_sms, scratch
+from .common import gdc_enter, pdl_args, interpreting, num_sms, scratch
 
 BM_CHOICES = (16, 32, 64)    # routed rows per block (the wgmma N); 16 is the instruction minimum
 ALIGN_MAX = 4096             # pairs the one-program align kernel sorts in registers; more -> torch
@@ -210,7 +210,8 @@ def dequant_experts(p: PackedExperts, chunk: int = 16):
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, N, E, P_MAX, B_MAX,
-                  BM: tl.constexpr, NP: tl.constexpr, EP: tl.constexpr):
+                  BM: tl.constexpr, NP: tl.constexpr, EP: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     offs = tl.arange(0, NP)
     e = tl.load(ids_ptr + offs, mask=offs < N, other=-1).to(tl.int32)
     e = tl.where((e >= 0) & (e < E), e, E)                    # invalid ids and padding: bucket E
@@ -270,7 +271,7 @@ def moe_align(topk_ids: torch.Tensor, E: int, bm: int):
     bexp = torch.empty(B, dtype=torch.int32, device=topk_ids.device)
     NP = max(16, triton.next_power_of_2(N))
     _align_kernel[(1,)](topk_ids.reshape(-1), sorted_ids, bexp, N, E, P, B, BM=bm, NP=NP,
-                        EP=triton.next_power_of_2(E + 1), num_warps=8)
+                        EP=triton.next_power_of_2(E + 1), num_warps=8, **pdl_args())
     return sorted_ids, bexp
 
 
@@ -378,7 +379,8 @@ def _mainloop(w_ptr, s_ptr, b_ptr, row_off, row_ok, kt0, kt1,
 def _gate_up_kernel(x_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, tw_ptr, h_ptr, ws_ptr, cnt_ptr,
                     N, D, I, stride_x, limit, KT_PER,
                     TOPK: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr,
-                    MX: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
+                    MX: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     b, j, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(bexp_ptr + b)
     if e < 0:
@@ -415,7 +417,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, tw_ptr
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, y_ptr, N, D, I,
-                 BM: tl.constexpr, MX: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
+                 BM: tl.constexpr, MX: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr,
+                 USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     b, j = tl.program_id(0), tl.program_id(1)
     e = tl.load(bexp_ptr + b)
     if e < 0:
@@ -434,7 +438,9 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, y_ptr, N,
 
 
 @triton.jit
-def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, TOPK: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, TOPK: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     n = tl.program_id(1) * BD + tl.arange(0, BD)
     acc = tl.zeros([BT, BD], tl.float32)
@@ -490,13 +496,13 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     _gate_up_kernel[(nblk, I // 64, split)](
         x, packed.w13, packed.s13, packed.alpha, sorted_ids, bexp, tw, h, ws, cnt,
         n, D, I, x.stride(0), limit, kt_per, TOPK=k, BM=bm, SPLIT=split, MX=mx, ASM=asm, F32=f32,
-        num_warps=4, num_stages=3)
+        num_warps=4, num_stages=3, **pdl_args())
     y = torch.empty(n, D, dtype=torch.float32, device=x.device)
     _down_kernel[(nblk, D // 128)](h, packed.w2, packed.s2, packed.alpha, sorted_ids, bexp, y, n, D, I,
-                                   BM=bm, MX=mx, ASM=asm, F32=f32, num_warps=4, num_stages=3)
+                                   BM=bm, MX=mx, ASM=asm, F32=f32, num_warps=4, num_stages=3, **pdl_args())
     out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     _sum_kernel[(triton.cdiv(T, 4), triton.cdiv(D, 512))](y, topk_ids.contiguous(), out, T, D, E, TOPK=k,
-                                                          BT=4, BD=512, num_warps=4)
+                                                          BT=4, BD=512, num_warps=4, **pdl_args())
     return out
 
 

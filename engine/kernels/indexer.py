@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.numerics import up
-from .common import entry_loc, num_sms
+from .common import gdc_enter, pdl_args, entry_loc, num_sms
 
 BLOCK_N = 64                 # keys per tile: the M of the [BLOCK_N, d] x [d, H] dot
 RUN_TILES = 16               # most key tiles one score program walks
@@ -31,7 +31,8 @@ TOPK_MAX_ROW = 16384         # widest score row the register-resident top-k take
 def _score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, nv_ptr, s_ptr,
                   H, D, N, per_block, max_blocks, tiles_per_prog,
                   stride_qt, stride_qh, stride_wt, stride_kr, stride_bt, stride_st,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -73,7 +74,8 @@ def _order_key(x):
 @triton.jit
 def _topk_kernel(s_ptr, bt_ptr, nv_ptr, ids_ptr, loc_ptr, N, K, per_block, max_blocks,
                  stride_st, stride_bt, stride_it, stride_lt,
-                 BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_S)
     nv = tl.minimum(tl.load(nv_ptr + t), N)
@@ -124,7 +126,7 @@ def indexer_scores(q, w, idx_k_store, block_table, per_block: int, n_visible, ma
                         q.stride(0), q.stride(1), w.stride(0), idx_k_store.stride(0),
                         block_table.stride(0), out.stride(0),
                         BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_D=max(16, triton.next_power_of_2(D)),
-                        BLOCK_N=BLOCK_N, num_warps=4, num_stages=3)
+                        BLOCK_N=BLOCK_N, num_warps=4, num_stages=3, **pdl_args())
     return out
 
 
@@ -157,7 +159,7 @@ def indexer_topk(q, w, idx_k_store, block_table, per_block: int, n_visible, topk
     _topk_kernel[(T,)](scores, block_table, n_visible, ids, loc, max_entries, topk, per_block, block_table.shape[1],
                        scores.stride(0), block_table.stride(0), ids.stride(0), loc.stride(0),
                        BLOCK_S=width, BLOCK_K=triton.next_power_of_2(topk),
-                       num_warps=max(1, min(16, width // 512)))
+                       num_warps=max(1, min(16, width // 512)), **pdl_args())
     return ids, loc
 
 

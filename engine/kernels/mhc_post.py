@@ -9,14 +9,15 @@ import triton
 import triton.language as tl
 
 from engine.numerics import up
-from .common import round_to  # noqa: F401 (other kernels imported it from here)
+from .common import gdc_enter, pdl_args, round_to  # noqa: F401 (other kernels imported it from here)
 
 
 
 @triton.jit
 def _mhc_post_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D,
                      stride_ft, stride_rt, stride_rj, stride_ot, stride_oj,
-                     HC: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HC: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
@@ -52,7 +53,7 @@ def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
         block = min(block_d, triton.next_power_of_2(D))
         grid = (T, triton.cdiv(D, block))
         _mhc_post_kernel[grid](f2, r3, p2, c3, o, D, f2.stride(0), r3.stride(0), r3.stride(1),
-                               o.stride(0), o.stride(1), HC=hc, BLOCK_D=block, num_warps=4)
+                               o.stride(0), o.stride(1), HC=hc, BLOCK_D=block, num_warps=4, **pdl_args())
     return o.view(*lead, hc, D) if out is None else out
 
 

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from engine.numerics import up
-from .common import round_to
+from .common import gdc_enter, pdl_args, round_to
 from .rms_norm import rms_norm_ref as rms_norm
 from .sinkhorn import sinkhorn_ref as sinkhorn, sinkhorn_tile
 
@@ -19,7 +19,8 @@ from .sinkhorn import sinkhorn_ref as sinkhorn, sinkhorn_tile
 @triton.jit
 def _mhc_pre_kernel(mix_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, post_ptr, comb_ptr,
                     D, stride_mt, stride_ht, stride_hj, stride_yt, hc_eps, norm_eps,
-                    HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_D: tl.constexpr):
+                    HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0)
     m = mix_ptr + t * stride_mt                          # mix row: pre [HC], post [HC], comb [HC*HC]
     s0 = tl.load(scale_ptr)
@@ -72,7 +73,7 @@ def mhc_pre(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, h: torch
                               norm_weight.contiguous(), y, post, comb, D, m2.stride(0),
                               h3.stride(0), h3.stride(1), D,
                               hc_eps, norm_eps, HC=hc, ITERS=iters, BLOCK_D=block,
-                              num_warps=min(16, max(1, block // 512)))
+                              num_warps=min(16, max(1, block // 512)), **pdl_args())
     if out is not None:
         return out
     return y.view(*lead, D), post.view(*lead, hc), comb.view(*lead, hc, hc)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from engine.numerics import fp8_block_dequant, fp8_sim_ref, up
-from .common import get_workspace, interpreting, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
+from .common import gdc_enter, pdl_args, get_workspace, interpreting, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
 from .fp8_gemm import load_block_scale, quant_e4m3_rows
 
 QBLOCK = 128          # FP8 scale block and the activation rounding block
@@ -140,7 +140,8 @@ def _proj_kernel(x_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr, lo_ptr, hi_ptr, part_p
                  M, N, K, n8, n_act, n_lo, kb_per_split, n_split,
                  stride_xm, stride_s8,
                  ACT8: tl.constexpr, SW_ROUND: tl.constexpr, SPLIT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0 = pid_n * BLOCK_N
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -237,7 +238,7 @@ def proj_gemm(x: torch.Tensor, p: Proj, workspace=None, **plan_kw) -> dict:
             x2.stride(0), p.s8.stride(0) if p.s8 is not None else 0,
             ACT8=p.n_act >= p.n8 > 0, SW_ROUND=interpreting(), SPLIT=split,
             BLOCK_M=pl.block_m, BLOCK_N=pl.block_n, ALIGN=ROW_ALIGN, num_warps=pl.num_warps,
-            num_stages=pl.num_stages)
+            num_stages=pl.num_stages, **pdl_args())
     return split_outputs(p, lo, hi, lead)
 
 

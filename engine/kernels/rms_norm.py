@@ -9,11 +9,13 @@ import triton
 import triton.language as tl
 
 from engine.numerics import up
-from .common import round_to
+from .common import gdc_enter, pdl_args, round_to
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, D, stride_x, stride_y, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+                     USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0)
     d = tl.arange(0, BLOCK)
     m = d < D
@@ -35,7 +37,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out: torc
         block = triton.next_power_of_2(D)
         _rms_norm_kernel[(x2.shape[0],)](x2, weight if weight is not None else x2, y, D, x2.stride(0), y.stride(0),
                                          eps, HAS_W=weight is not None, BLOCK=block,
-                                         num_warps=min(16, max(1, block // 256)))
+                                         num_warps=min(16, max(1, block // 256)), **pdl_args())
     return y.view(x.shape) if out is None else out
 
 

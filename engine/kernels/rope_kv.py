@@ -15,7 +15,7 @@ import triton.language as tl
 
 from engine.numerics import fp8_sim_ref as fp8_sim
 from .act_sim import fp8_round_trip
-from .common import apply_rope, cos_sin, round_to
+from .common import gdc_enter, pdl_args, apply_rope, cos_sin, round_to
 from .rms_norm import rms_norm_ref as rms_norm
 
 
@@ -34,7 +34,8 @@ def _rope_qkv_kernel(q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, inv_ptr, q
                      ring_ptr, slot_ptr, H, W, stride_qt, stride_qh, stride_kvt, stride_cs,
                      stride_rs, stride_rw, eps,
                      DH: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, TABLE: tl.constexpr,
-                     FP8: tl.constexpr, FB: tl.constexpr, RING: tl.constexpr):
+                     FP8: tl.constexpr, FB: tl.constexpr, RING: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0)
     hb = tl.program_id(1)
     p = tl.arange(0, DH // 2) - (DH - R) // 2                # rope pair index (< 0: not rope)
@@ -127,7 +128,7 @@ def rope_qkv(q, kv, kv_weight, eps, cos=None, sin=None, *, positions=None, inv_f
             cs[0].stride(0) if table else 0, ring.stride(0) if ring is not None else 0,
             ring.stride(1) if ring is not None else 0, eps,
             DH=DH, R=R, BLOCK_H=bh, TABLE=table, FP8=fp8, FB=fp8_block, RING=ring is not None,
-            num_warps=4)
+            num_warps=4, **pdl_args())
     return qo.view(*lead, H, DH), kvo.view(*lead, DH)
 
 

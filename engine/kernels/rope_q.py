@@ -13,14 +13,15 @@ import triton.language as tl
 
 from engine.numerics import fp4_sim_ref, hadamard
 from .act_sim import fp4_round_trip, hadamard_rows
-from .common import apply_rope, round_to
+from .common import gdc_enter, pdl_args, apply_rope, round_to
 from .rope_kv import _rope
 
 
 @triton.jit
 def _rope_q_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, H, stride_xt, stride_xh, stride_cs, hscale,
                    D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr,
-                   FP4: tl.constexpr, LOG_D: tl.constexpr):
+                   FP4: tl.constexpr, LOG_D: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = (h < H)[:, None]
@@ -55,7 +56,7 @@ def rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool 
         bh = min(block_h, triton.next_power_of_2(H))
         _rope_q_kernel[(T, triton.cdiv(H, bh))](x3, y, c2, s2, H, x3.stride(0), x3.stride(1), c2.stride(0),
                                                  D ** -0.5, D=D, R=R, BLOCK_H=bh, INVERSE=inverse, FP4=fp4,
-                                                 LOG_D=D.bit_length() - 1, num_warps=4)
+                                                 LOG_D=D.bit_length() - 1, num_warps=4, **pdl_args())
     return y.view(*lead, H, D)
 
 

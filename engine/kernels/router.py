@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from engine.numerics import up
+from .common import gdc_enter, pdl_args
 
 
 @triton.jit
@@ -29,7 +30,8 @@ def _log1p(u):
 def _router_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, w_ptr, id_ptr, E, stride_lt,
                    stride_tid, route_scale,
                    K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                   HASH: tl.constexpr, RENORM: tl.constexpr):
+                   HASH: tl.constexpr, RENORM: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     em = e < E
@@ -76,7 +78,7 @@ def route(logits: torch.Tensor, k: int, route_scale: float, bias: torch.Tensor |
             tid2eid if hashed else ids, token_ids.contiguous() if hashed else ids, w, ids, E,
             lg.stride(0), tid2eid.stride(0) if hashed else 0, route_scale,
             K=k, BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(k),
-            HASH=hashed, RENORM=renorm, num_warps=4 if E >= 128 else 1)
+            HASH=hashed, RENORM=renorm, num_warps=4 if E >= 128 else 1, **pdl_args())
     return w, ids
 
 

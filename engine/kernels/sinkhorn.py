@@ -7,6 +7,7 @@ token lives in registers for all rounds. `sinkhorn_tile` is shared with the fuse
 import torch
 import triton
 import triton.language as tl
+from .common import gdc_enter, pdl_args
 
 
 
@@ -25,7 +26,8 @@ def sinkhorn_tile(c, eps, ITERS: tl.constexpr):
 
 @triton.jit
 def _sinkhorn_kernel(x_ptr, out_ptr, T, eps,
-                     HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr):
+                     HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, HC)
     off = t[:, None, None] * (HC * HC) + j[None, :, None] * HC + j[None, None, :]     # [BT,HC,HC]
@@ -45,7 +47,7 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float, out: torch.Tensor | N
     assert o.is_contiguous() and o.dtype == torch.float32
     if T:
         _sinkhorn_kernel[(triton.cdiv(T, block_t),)](x, o, T, eps, HC=hc, ITERS=iters,
-                                                      BLOCK_T=block_t, num_warps=1)
+                                                      BLOCK_T=block_t, num_warps=1, **pdl_args())
     return o.view(logits.shape)
 
 

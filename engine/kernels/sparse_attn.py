@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from engine.numerics import up
-from .common import num_sms
+from .common import gdc_enter, pdl_args, num_sms
 
 # Launch configuration, all in one place; bench/attention.py --sweep compares alternatives on the GPU.
 # Picked offline from ptxas -v for sm_90a at D=512 (no GPU run yet): BLOCK_H 16 / BLOCK_N 32 / 4 warps
@@ -87,8 +87,9 @@ def _split_kernel(q_ptr, ka_ptr, ia_ptr, kb_ptr, ib_ptr, sink_ptr, o_ptr, acc_pt
                   stride_qt, stride_qh, stride_ka, stride_ia, stride_kb, stride_ib, stride_ot, stride_oh,
                   stride_wt, stride_ws, stride_wh, stride_mt, stride_ms,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  FINAL: tl.constexpr):
+                  FINAL: tl.constexpr, USE_GDC: tl.constexpr = False):
     # head group on the fastest grid axis: the groups of one (token, split) read the same keys
+    gdc_enter(USE_GDC)
     offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     t = tl.program_id(1)
     split = tl.program_id(2)
@@ -129,7 +130,8 @@ def _split_kernel(q_ptr, ka_ptr, ia_ptr, kb_ptr, ib_ptr, sink_ptr, o_ptr, acc_pt
 @triton.jit
 def _combine_kernel(acc_ptr, m_ptr, l_ptr, sink_ptr, o_ptr, S, D,
                     stride_wt, stride_ws, stride_wh, stride_mt, stride_ms, stride_ot, stride_oh,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -247,13 +249,13 @@ def sparse_mqa(q, kv_a, idx_a, kv_b, idx_b, sink, scale: float, num_splits: int 
         q.stride(0), q.stride(1), kv_a.stride(0), idx_a.stride(0), kv_b.stride(0), idx_b.stride(0),
         out.stride(0), out.stride(1), *w_strides,
         BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_D=max(64, triton.next_power_of_2(D)), FINAL=ws is None,
-        num_warps=_num_warps(block_h), num_stages=NUM_STAGES)
+        num_warps=_num_warps(block_h), num_stages=NUM_STAGES, **pdl_args())
     if ws is not None:
         _combine_kernel[(T, H, triton.cdiv(D, COMBINE_BLOCK_D))](
             ws.acc, ws.m, ws.l, sink, out, splits, D,
             ws.acc.stride(0), ws.acc.stride(1), ws.acc.stride(2), ws.m.stride(0), ws.m.stride(1),
             out.stride(0), out.stride(1),
-            BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=COMBINE_BLOCK_D, num_warps=4)
+            BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=COMBINE_BLOCK_D, num_warps=4, **pdl_args())
     return out
 
 
@@ -285,7 +287,8 @@ def _naive_list(q, m, l, acc, k_ptr, stride_k, i_ptr, n_tiles, K, offs_n, offs_d
 @triton.jit
 def _naive_kernel(q_ptr, ka_ptr, ia_ptr, kb_ptr, ib_ptr, sink_ptr, o_ptr, D, Ka, Kb, na, nb, qk_scale,
                   stride_qt, stride_qh, stride_ka, stride_ia, stride_kb, stride_ib, stride_ot, stride_oh,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -314,7 +317,7 @@ def sparse_mqa_naive(q, kv_a, idx_a, kv_b, idx_b, sink, scale: float, out=None) 
                           triton.cdiv(Ka, NAIVE_BLOCK_N), triton.cdiv(Kb, NAIVE_BLOCK_N), scale * LOG2E,
                           q.stride(0), q.stride(1), kv_a.stride(0), idx_a.stride(0), kv_b.stride(0),
                           idx_b.stride(0), out.stride(0), out.stride(1),
-                          BLOCK_N=NAIVE_BLOCK_N, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+                          BLOCK_N=NAIVE_BLOCK_N, BLOCK_D=triton.next_power_of_2(D), num_warps=4, **pdl_args())
     return out
 
 
