@@ -48,9 +48,9 @@ def test_kernels_match_references(tiny_ckpt, preset, numerics):
 
 
 @pytest.mark.parametrize("kernel", ["sparse_attn", "indexer", "fp8_gemm", "bf16_gemm", "fused_moe", "mhc",
-                                    "rope_kv", "router", "act_sim", "compressor", "proj_gemm"])
+                                    "rope_kv", "router", "act_sim", "compressor", "proj_gemm", "swiglu"])
 def test_each_kernel_alone(tiny_ckpt, kernel):
     """One kernel on at a time (the rest torch): localises a mismatch to its kernel."""
     kernels = {"indexer": ["indexer", "sparse_attn"], "rope_kv": ["rope_kv", "sparse_attn"]}.get(kernel, [kernel])
-    r = _both(tiny_ckpt("tiny", 0), 60, "reference" if kernel in ("act_sim", "fp8_gemm", "compressor", "proj_gemm") else "plain", kernels)
+    r = _both(tiny_ckpt("tiny", 0), 60, "reference" if kernel in ("act_sim", "fp8_gemm", "compressor", "proj_gemm", "swiglu") else "plain", kernels)
     assert r["mismatch"] is None and r["max_rel_err"] <= r["tol"], r

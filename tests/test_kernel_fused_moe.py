@@ -225,7 +225,22 @@ def interp_split():
     assert torch.equal(two, check(p, w, 9, 2, torch.float32, seed=5, split_k=2, block_m=32))
 
 
-CHECKS = ["interp_align", "interp_mxfp4", "interp_nvfp4", "interp_uneven", "interp_split"]
+def interp_shared():
+    """The shared expert's output added in the sum kernel: exactly routed + shared, in that order."""
+    p, w = _small("mxfp4")
+    for T, dt in ((3, torch.bfloat16), (5, torch.float32)):
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(T, p.D, generator=g).to(dt)
+        sh = torch.randn(T, p.D, generator=g).to(dt)
+        wt, ids = route(T, 2, p.E, seed=T)
+        routed = fm.fused_moe(x, wt, ids, p, 10.0)
+        got = fm.fused_moe(x, wt, ids, p, 10.0, shared=sh)
+        assert torch.equal(got, routed + sh.float())
+        ref = fm.fused_moe_ref(x.float(), wt, ids, p, 10.0, w, shared=sh)
+        assert rel_err(got, ref).max().item() <= (1e-2 if dt == torch.bfloat16 else 1e-4)
+
+
+CHECKS = ["interp_align", "interp_mxfp4", "interp_nvfp4", "interp_uneven", "interp_split", "interp_shared"]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 KERNELS = ("sparse_attn", "indexer", "fp8_gemm", "bf16_gemm", "fused_moe", "mhc", "rope_kv", "router", "act_sim",
-           "compressor", "rms_norm", "rope_q", "proj_gemm")
+           "compressor", "rms_norm", "rope_q", "proj_gemm", "swiglu")
 DEFAULT = tuple(k for k in KERNELS if k != "fp8_gemm")
 _default: frozenset[str] | None = None
 # CPU tests run the whole model through the kernels under TRITON_INTERPRET=1 by setting this
@@ -82,6 +82,7 @@ class Ops:
     compress_decode: Callable   # compressor: the compressor's decode step after its projections
     fused_moe: Callable         # fused_moe: routed experts on packed MXFP4 / NVFP4 codes
     proj_gemm: Callable         # proj_gemm: (x, Proj) -> {name: y}, the projections sharing x in one GEMM
+    swiglu_act: Callable        # swiglu: (g, u, limit, fp8, dtype) -> the shared expert's w2 input
 
     @classmethod
     def select(cls, device, dtype, kernels=None) -> "Ops":
@@ -117,4 +118,5 @@ _TABLE = {
     "compress_decode": ("compressor", "compressor", "compress_decode"),
     "fused_moe": ("fused_moe", "fused_moe", "fused_moe"),
     "proj_gemm": ("proj_gemm", "proj_gemm", "proj_gemm"),
+    "swiglu_act": ("swiglu", "swiglu", "swiglu_act"),
 }

@@ -438,8 +438,8 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, y_ptr, N,
 
 
 @triton.jit
-def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, TOPK: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                USE_GDC: tl.constexpr = False):
+def _sum_kernel(y_ptr, ids_ptr, sh_ptr, out_ptr, T, D, E, stride_sh, TOPK: tl.constexpr, BT: tl.constexpr,
+                BD: tl.constexpr, SHARED: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     n = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -449,7 +449,10 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, T, D, E, TOPK: tl.constexpr, BT: tl.con
         live = (e >= 0) & (e < E)
         row = (t * TOPK + s).to(tl.int64) * D
         acc += tl.load(y_ptr + row[:, None] + n[None, :], mask=live[:, None] & (n < D)[None, :], other=0.0)
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * D + n[None, :], acc, mask=(t < T)[:, None] & (n < D)[None, :])
+    tn = (t < T)[:, None] & (n < D)[None, :]
+    if SHARED:      # the shared expert's output, added after the routed sum (the reference's order)
+        acc += tl.load(sh_ptr + t.to(tl.int64)[:, None] * stride_sh + n[None, :], mask=tn, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * D + n[None, :], acc, mask=tn)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -471,9 +474,10 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0,
-              block_m: int | None = None, split_k: int | None = None, use_asm: bool = True):
+              block_m: int | None = None, split_k: int | None = None, use_asm: bool = True, shared=None):
     """x [T,D] bf16 (or fp32), topk_weights [T,k] fp32, topk_ids [T,k] int (ids outside [0,E)
-    contribute nothing) -> sum_k w * expert(x) [T,D] fp32. block_m/split_k override moe_config."""
+    contribute nothing) -> sum_k w * expert(x) [T,D] fp32, plus `shared` [T,D] (the shared
+    expert's output, any float dtype) when given. block_m/split_k override moe_config."""
     T, D = x.shape
     k, E, I = topk_ids.shape[1], packed.E, packed.I
     if D != packed.D or x.dtype not in (torch.bfloat16, torch.float32):
@@ -501,22 +505,29 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     _down_kernel[(nblk, D // 128)](h, packed.w2, packed.s2, packed.alpha, sorted_ids, bexp, y, n, D, I,
                                    BM=bm, MX=mx, ASM=asm, F32=f32, num_warps=4, num_stages=3, **pdl_args())
     out = torch.empty(T, D, dtype=torch.float32, device=x.device)
-    _sum_kernel[(triton.cdiv(T, 4), triton.cdiv(D, 512))](y, topk_ids.contiguous(), out, T, D, E, TOPK=k,
-                                                          BT=4, BD=512, num_warps=4, **pdl_args())
+    sh = shared.reshape(T, D) if shared is not None else out
+    if sh.stride(-1) != 1:
+        sh = sh.contiguous()
+    _sum_kernel[(triton.cdiv(T, 4), triton.cdiv(D, 512))](y, topk_ids.contiguous(), sh, out, T, D, E, sh.stride(0),
+                                                          TOPK=k, BT=4, BD=512, SHARED=shared is not None,
+                                                          num_warps=4, **pdl_args())
     return out
 
 
-def fused_moe_ref(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0, weights=None):
+def fused_moe_ref(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0, weights=None,
+                  shared=None, **_):
     """experts_ref (the model's Experts.forward math) on the dequantized experts, in x's dtype; ids
-    outside [0, E) count as weight 0. weights: dequant_experts(packed), if at hand (cached on CPU)."""
+    outside [0, E) count as weight 0; then + up(shared) when given. weights: dequant_experts(packed),
+    if at hand (cached on CPU)."""
     if weights is None:
         weights = getattr(packed, "_dequant", None) or dequant_experts(packed)
         if not x.is_cuda:
             packed._dequant = weights         # the CPU model calls this every step
     w1, w3, w2 = (w.to(x.dtype) for w in weights)
     live = (topk_ids >= 0) & (topk_ids < packed.E)
-    return experts_ref(x, torch.where(live, topk_weights, 0.0), torch.where(live, topk_ids, 0), w1, w3, w2,
-                       swiglu_limit)
+    out = experts_ref(x, torch.where(live, topk_weights, 0.0), torch.where(live, topk_ids, 0), w1, w3, w2,
+                      swiglu_limit)
+    return out if shared is None else up(out) + up(shared).to(up(out).dtype)
 
 
 # ----------------------------------------------------------------------------- torch math (the model's too)

@@ -25,7 +25,7 @@ from .compressor import Compressor
 from .indexer import Indexer
 from .kv_cache import LayerCache, StepInputs, entry_loc
 from .linear import Linear
-from .moe import MoE, swiglu
+from .moe import MoE
 
 
 def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits: bool = False) -> torch.Tensor:
@@ -54,10 +54,11 @@ def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops):
                        b.hc_iters, b.hc_eps, b.norm_eps)
 
 
-def linear(lin: Linear, x: torch.Tensor, ops: Ops, num: Numerics) -> torch.Tensor:
+def linear(lin: Linear, x: torch.Tensor, ops: Ops, num: Numerics, rounded: bool = False) -> torch.Tensor:
     """x [...,in] -> [...,out] in x's dtype. DeepSeek's FP8 GEMMs take e4m3 activations (per 128
-    channels) in reference numerics; the FP8 GEMM kernel rounds them itself."""
-    act = num.act_fp8 and lin.fp8_gemm
+    channels) in reference numerics; the FP8 GEMM kernel rounds them itself. rounded: x is on
+    that grid already (its producer rounded it)."""
+    act = num.act_fp8 and lin.fp8_gemm and not rounded
     if lin.qweight is not None:
         return ops.fp8_gemm(x, lin.qweight, lin.qscale, act_quant=act, out_dtype=x.dtype)
     return F.linear(ops.fp8_sim(x, 128) if act else x, lin.weight)
@@ -178,14 +179,15 @@ def moe(m: MoE, x: torch.Tensor, proj, ids: torch.Tensor, ops: Ops, num: Numeric
     x = x.reshape(-1, shape[-1])                                                          # [T,D]
     y = ops.proj_gemm(x, proj) if proj is not None else {}   # shared w1, w3 and the router logits, one GEMM
     w, idx = route(m.gate, x, y.get("gate"), ids.reshape(-1), ops)                       # [T,k] fp32, ids
-    e = m.experts
+    e, s, shared = m.experts, m.shared_experts, None
+    if s is not None:            # SwiGLU, rounded for w2's FP8 input in one kernel; w2; added in the MoE sum
+        act = num.act_fp8 and s.w2.fp8_gemm
+        shared = linear(s.w2, ops.swiglu_act(y["w1"], y["w3"], s.limit, act, x.dtype), ops, num, rounded=act)
     if e.packed is not None:     # W4A16: in reference numerics only the input gets the FP8 rounding
-        out = up(ops.fused_moe(ops.fp8_sim(x, 128) if num.act_fp8 and e.quantized else x, w, idx, e.packed, e.limit))
-    else:
-        out = e(x, w, idx)       # the torch experts on the dequantised weights (CPU, small models)
-    s = m.shared_experts
-    if s is not None:
-        out = out + up(linear(s.w2, swiglu(y["w1"], y["w3"], s.limit).to(x.dtype), ops, num))
+        xq = ops.fp8_sim(x, 128) if num.act_fp8 and e.quantized else x
+        out = up(ops.fused_moe(xq, w, idx, e.packed, e.limit, shared=shared))
+    else:                        # the torch experts on the dequantised weights (CPU, small models)
+        out = e(x, w, idx) if shared is None else e(x, w, idx) + up(shared)
     return all_reduce(out).to(x.dtype).reshape(shape)
 
 
