@@ -2,8 +2,9 @@
 
 One step = one scheduler plan = one model call: every decoding sequence's next token and the
 prefill chunks the token budget admits, together (a decode-only step replays a CUDA graph);
-then one sampler call for every row that produced a token. After sampling, each sequence's new token is detokenized incrementally and checked against
-EOS, stop ids, stop strings, max_tokens and the context length.
+then one sampler call for every row that produced a token. After sampling, each sequence's
+new token is detokenized incrementally and checked against EOS, stop ids, stop strings,
+max_tokens and the context length.
 """
 import itertools
 import time
@@ -152,7 +153,7 @@ class EngineCore:
         logits = self._forward(plan)                                  # [rows,V]: decode rows, then chunks
         for seq in plan.decode:
             seq.num_computed += 1
-        rows = list(range(len(plan.decode)))                          # the rows that sample a token
+        rows = [(seq, i) for i, seq in enumerate(plan.decode)]        # (sequence, its logits row) that sample
         for i, (seq, start, n) in enumerate(plan.prefill, len(plan.decode)):
             seq.num_computed = start + n
             if seq.num_computed < seq.num_tokens:           # more of the prompt to come
@@ -161,10 +162,10 @@ class EngineCore:
                 self.scheduler.finish(seq, "length")
                 touched.add(seq.request_id)
             else:
-                rows.append(i)
-        seqs = plan.decode + [plan.prefill[i - len(plan.decode)][0] for i in rows[len(plan.decode):]]
-        if seqs:
-            out = self.runner.sample(seqs, logits if len(rows) == logits.shape[0] else logits[rows])
+                rows.append((seq, i))
+        if rows:
+            seqs, idx = [s for s, _ in rows], [i for _, i in rows]
+            out = self.runner.sample(seqs, logits if len(idx) == logits.shape[0] else logits[idx])
             for i, seq in enumerate(seqs):
                 self._append(seq, out, i)
                 touched.add(seq.request_id)

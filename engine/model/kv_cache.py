@@ -69,9 +69,9 @@ class StepInputs:
     def decode(self) -> bool:
         return self.positions.shape[1] == 1 and self.starts is None
 
-
-
-    # ---- prefill's per-token tables (host lists -> device once per step, shared by every layer) ----
+    # ---- prefill's per-token tables: built from the host lists on first use (a few small
+    # host-to-device copies per prefill step; decode and graph replay never build them), then
+    # shared by every layer ----
     @property
     def row_lens(self) -> list[int]:
         return self.lens if self.lens is not None else [self.ids.shape[1]]

@@ -10,8 +10,8 @@ window's keys are found, the ring write, the compressor, which logits come out),
 the host-side `inp.decode`. Prefill addresses everything per token (its row's slot, block table
 and chunk start), so no token is padding and no Python loop runs over tokens.
 
-Shapes: B rows, S new tokens each (prefill: B = 1 and S = T, the step's tokens), D model width, H query heads (this rank's), Dh = head_dim,
-R/2 rope frequencies, hc residual streams, E experts, k routed per token. The cache-free
+Shapes: B rows, S new tokens each (prefill: B = 1 and S = T, the step's tokens), D model width,
+H query heads (this rank's), Dh = head_dim, R/2 rope frequencies, hc residual streams, E experts, k routed per token. The cache-free
 whole-sequence forward of the modules (model.Transformer.forward) stays the oracle this is
 tested against.
 """
