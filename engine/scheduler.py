@@ -79,17 +79,25 @@ class Scheduler:
     def _prefills(self, budget: int) -> list[tuple[Sequence, int, int]]:
         """Chunks within `budget` tokens: running sequences' next chunks, then new ones from the
         waiting queue while slots last. Stops at the first that has no blocks (first come, first
-        served: a later, smaller prompt does not overtake it)."""
-        chunks = []
-        for seq in [s for s in self.running if not s.in_decode and s.num_computed < s.num_tokens]:
-            if budget <= 0 or (chunk := self._chunk(seq, budget)) is None:
-                return chunks
+        served: a later, smaller prompt does not overtake it). Chunks that may record prompt
+        logprobs share at most chunk_size tokens a step: each of their tokens costs a [V] fp32
+        logits row (as when one chunk ran per step)."""
+        chunks, logit_room = [], self.chunk_size
+        queue = [s for s in self.running if not s.in_decode and s.num_computed < s.num_tokens]
+        while budget > 0:
+            if queue:
+                seq = queue.pop(0)
+            elif self.waiting and len(self.running) < self.max_num_seqs and self.cache.free_slots:
+                seq = self.waiting[0]
+            else:
+                break
+            logits = seq.prompt_logprobs is not None and seq.num_computed < len(seq.prompt_ids)
+            cap = min(budget, logit_room) if logits else budget
+            if cap == 0 or (chunk := self._chunk(seq, cap)) is None:
+                break
             chunks.append(chunk)
             budget -= chunk[2]
-        while (budget > 0 and self.waiting and len(self.running) < self.max_num_seqs and self.cache.free_slots
-               and (chunk := self._chunk(self.waiting[0], budget)) is not None):
-            chunks.append(chunk)
-            budget -= chunk[2]
+            logit_room -= chunk[2] if logits else 0
         return chunks
 
     def _chunk(self, seq: Sequence, budget: int) -> tuple[Sequence, int, int] | None:

@@ -203,3 +203,30 @@ def test_preemption_with_batched_prefill(tiny_ckpt):
 def test_budget_below_max_num_seqs_is_rejected(tiny_ckpt):
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         _llm(tiny_ckpt, max_num_seqs=8, max_num_batched_tokens=4)
+
+
+def test_scheduler_budget_and_prompt_logprob_room(tiny_ckpt):
+    """The scheduler alone: decode rows count against the budget; chunks that record prompt
+    logprobs share at most chunk_size tokens a step (their [V] logits rows), the others the rest."""
+    from engine.sequence import Sequence
+
+    llm = _llm(tiny_ckpt, max_num_seqs=8, chunk_size=16, max_num_batched_tokens=40)
+    sched = llm.engine.scheduler
+    plain, lp = SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, prompt_logprobs=0)
+    seqs = [Sequence(f"r{i}", 0, list(range(2, 2 + n)), p)
+            for i, (n, p) in enumerate([(12, lp), (30, lp), (30, plain), (30, plain)])]
+    for s in seqs:
+        s.prompt_logprobs = [None] if s.params.prompt_logprobs is not None else None
+        sched.add(s)
+    plan = sched.schedule()
+    assert [(s.request_id, a, n) for s, a, n in plan.prefill] == [("r0", 0, 12), ("r1", 0, 4), ("r2", 0, 16),
+                                                                  ("r3", 0, 8)]
+    for s, a, n in plan.prefill:
+        s.num_computed = a + n
+    seqs[0].output_ids.append(5)                       # r0 decodes next: one token of the budget
+    plan = sched.schedule()
+    assert plan.decode == [seqs[0]]
+    assert [(s.request_id, a, n) for s, a, n in plan.prefill] == [("r1", 4, 16), ("r2", 16, 14), ("r3", 8, 9)]
+    for s in seqs:
+        sched.finish(s, "abort")
+    assert len(llm.cache.free_slots) == 8 and llm.cache.can_allocate(llm.cache.num_blocks - 1)
