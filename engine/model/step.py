@@ -11,9 +11,9 @@ the host-side `inp.decode`. Prefill addresses everything per token (its row's sl
 and chunk start), so no token is padding and no Python loop runs over tokens.
 
 Shapes: B rows, S new tokens each (prefill: B = 1 and S = T, the step's tokens), D model width,
-H query heads (this rank's), Dh = head_dim, R/2 rope frequencies, hc residual streams, E experts, k routed per token. The cache-free
-whole-sequence forward of the modules (model.Transformer.forward) stays the oracle this is
-tested against.
+H query heads (this rank's), Dh = head_dim, R/2 rope frequencies, hc residual streams, E experts,
+k routed per token. The cache-free whole-sequence forward of the modules (model.Transformer.forward)
+stays the oracle this is tested against.
 """
 import torch
 import torch.nn.functional as F
@@ -163,7 +163,8 @@ def compress(c: Compressor, kv: torch.Tensor, score: torch.Tensor, inp: StepInpu
     through the decode op, the longer chunks through the compressor's torch prefill."""
     sim = c.sim_of(num)
     code = {None: SIM_NONE, "fp8": SIM_FP8, "fp4": SIM_FP4}[sim]
-    entry_rope = lambda: inp.cos_sin(f"entry/{c.ratio}", inv_freq, entry_ratio=c.ratio)   # noqa: E731 (at the entry's position)
+    def entry_rope():   # at each token's entry position
+        return inp.cos_sin(f"entry/{c.ratio}", inv_freq, entry_ratio=c.ratio)
     if inp.decode:
         cos, sin = entry_rope()
         return ops.compress_decode(kv[:, 0], score[:, 0], c.ape, kv_state, score_state, store.flatten(0, 1),
