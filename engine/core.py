@@ -1,8 +1,10 @@
 """The engine loop's body: add requests, run one step, collect what each request produced.
 
-One step = one scheduler plan = at most one prefill chunk plus one batched decode. After
-sampling, each sequence's new token is detokenized incrementally and checked against
-EOS, stop ids, stop strings, max_tokens and the context length.
+One step = one scheduler plan = one model call: every decoding sequence's next token and the
+prefill chunks the token budget admits, together (a decode-only step replays a CUDA graph);
+then one sampler call for every row that produced a token. After sampling, each sequence's
+new token is detokenized incrementally and checked against EOS, stop ids, stop strings,
+max_tokens and the context length.
 """
 import itertools
 import time
@@ -73,10 +75,10 @@ class EngineOverloaded(RuntimeError):
 
 class EngineCore:
     def __init__(self, model, tokenizer, cache: KVCache, max_num_seqs: int, max_model_len: int,
-                 chunk_size: int = 512, max_waiting: int | None = None):
+                 chunk_size: int = 512, max_waiting: int | None = None, max_num_batched_tokens: int = 8192):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(cache, max_num_seqs, max_model_len, chunk_size, max_waiting)
+        self.scheduler = Scheduler(cache, max_num_seqs, max_model_len, chunk_size, max_waiting, max_num_batched_tokens)
         self.runner = ModelRunner(model, cache, cache.device)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -146,26 +148,52 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         touched = {s.request_id for s in plan.finished}
-        if plan.prefill is not None:
-            seq, start, n = plan.prefill
-            want = _records_prompt_logprobs(seq, start)
-            logits = self.runner.prefill(seq, start, n, all_logits=want)
-            if want:
-                _record_prompt_logprobs(seq, start, logits[0])
-                logits = logits[:, -1]
+        if plan.empty:
+            return self._collect(touched)
+        logits = self._forward(plan)                                  # [rows,V]: decode rows, then chunks
+        for seq in plan.decode:
+            seq.num_computed += 1
+        rows = [(seq, i) for i, seq in enumerate(plan.decode)]        # (sequence, its logits row) that sample
+        for i, (seq, start, n) in enumerate(plan.prefill, len(plan.decode)):
             seq.num_computed = start + n
-            if seq.num_computed == seq.num_tokens:          # the prompt (or recompute) is done
-                if seq.params.max_tokens == 0:              # prefill only (prompt logprobs)
-                    self.scheduler.finish(seq, "length")
-                else:
-                    self._append(seq, self.runner.sample([seq], logits), 0)
+            if seq.num_computed < seq.num_tokens:           # more of the prompt to come
+                continue
+            if seq.params.max_tokens == 0:                  # prefill only (prompt logprobs)
+                self.scheduler.finish(seq, "length")
                 touched.add(seq.request_id)
-        if plan.decode:
-            out = self.runner.sample(plan.decode, self.runner.decode(plan.decode))
-            for i, seq in enumerate(plan.decode):
-                seq.num_computed += 1
+            else:
+                rows.append((seq, i))
+        if rows:
+            seqs, idx = [s for s, _ in rows], [i for _, i in rows]
+            out = self.runner.sample(seqs, logits if len(idx) == logits.shape[0] else logits[idx])
+            for i, seq in enumerate(seqs):
                 self._append(seq, out, i)
                 touched.add(seq.request_id)
+        return self._collect(touched)
+
+    def _forward(self, plan) -> torch.Tensor:
+        """The plan's one model call -> logits of each row's last token [rows,V] (decode rows
+        first), recording the prompt logprobs a chunk carries on the way."""
+        if not plan.prefill:
+            return self.runner.decode(plan.decode)
+        chunks = [(s, s.num_tokens - 1, 1) for s in plan.decode] + plan.prefill
+        want, claimed = [], set()
+        for seq, start, _ in chunks:   # a request's samples share one list: one chunk records it
+            want.append(_records_prompt_logprobs(seq, start) and id(seq.prompt_logprobs) not in claimed)
+            if want[-1]:
+                claimed.add(id(seq.prompt_logprobs))
+        logits = self.runner.prefill(chunks, want)
+        if not claimed:
+            return logits
+        last, i = [], 0
+        for (seq, start, n), w in zip(chunks, want):
+            if w:
+                _record_prompt_logprobs(seq, start, logits[i:i + n])
+            i += n if w else 1
+            last.append(i - 1)
+        return logits[last]
+
+    def _collect(self, touched: set[str]) -> list[RequestOutput]:
         results = [self._output(self.requests[r]) for r in touched if r in self.requests]
         for r in results:
             if r.finished:

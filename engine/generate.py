@@ -24,6 +24,8 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--device", default=None)
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens one step feeds the model: decode rows plus several prompts' prefill chunks")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -83,7 +85,7 @@ def main(argv=None):
     from .llm import LLM
 
     llm = LLM(args.model, tp=args.tp, device=args.device, max_num_seqs=args.max_num_seqs,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens)
     prompts, params, kept = [], [], []
     for n, row, p in rows:
         try:

@@ -38,13 +38,18 @@ class LLM:
     def __init__(self, model: str | Path | None = None, tp: int = 1, device=None, dtype=None,
                  max_num_seqs: int = 16, max_model_len: int | None = None, kv_cache_memory: int | None = None,
                  numerics: str | None = None, chunk_size: int = 512, max_waiting: int | None = None,
-                 tp_timeout: float = 120.0, enforce_eager: bool = False, skip_tokenizer_init: bool = False):
+                 tp_timeout: float = 120.0, enforce_eager: bool = False, skip_tokenizer_init: bool = False,
+                 max_num_batched_tokens: int = 8192):
         """skip_tokenizer_init: as vLLM's, no tokenizer is loaded (engine.tokenizer is not even
-        imported): prompts must be token ids, outputs carry token ids and empty text."""
+        imported): prompts must be token ids, outputs carry token ids and empty text.
+        max_num_batched_tokens: the tokens one step feeds the model (decode rows and prefill
+        chunks of several sequences together); chunk_size: the most of one prompt per step."""
         if tp < 1:
             raise ValueError("tp must be >= 1")
         if max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         path = Path(model) if model is not None else default_model_dir()
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json")
@@ -79,7 +84,7 @@ class LLM:
 
             self.tokenizer = Tokenizer.from_dir(path)
         self.engine = EngineCore(self.model, self.tokenizer, self.cache, max_num_seqs, self.max_model_len,
-                                 chunk_size, max_waiting)
+                                 chunk_size, max_waiting, max_num_batched_tokens)
         if self.workers is not None:
             self.engine.runner.broadcast = self.workers.send
         self.engine.runner.graphs = graphs

@@ -18,14 +18,17 @@ class ModelRunner:
 
     # A step is described by a plain dict (host ints and lists) so that, under tensor
     # parallelism, rank 0 can send the same description to every rank (engine.rank).
-    def prefill(self, seq: Sequence, start: int, n: int, all_logits: bool = False) -> torch.Tensor:
-        """Feed seq's tokens [start, start+n) -> logits of the last one [1,V], or with
-        `all_logits` of each of the n [1,n,V] (for prompt logprobs)."""
-        step = {"ids": [seq.tokens[start:start + n]], "positions": [list(range(start, start + n))],
-                "slots": [seq.slot], "blocks": [seq.blocks], "starts": [start],
-                "reset": [seq.slot] if start == 0 else []}
-        if all_logits:
-            step["all_logits"] = True  # in the step dict, so tensor-parallel ranks gather them too
+    def prefill(self, chunks: list[tuple[Sequence, int, int]], all_logits: list[bool] | None = None) -> torch.Tensor:
+        """Feed each (seq, start, n) chunk's tokens [start, start+n), every chunk in one call (a
+        decode row is the chunk (seq, num_tokens - 1, 1)) -> logits of each chunk's last token
+        [B,V]; a chunk whose all_logits flag is set gives every one of its n instead (prompt
+        logprobs), in chunk order: [L,V]."""
+        step = {"ids": [seq.tokens[a:a + n] for seq, a, n in chunks],
+                "positions": [list(range(a, a + n)) for _, a, n in chunks],
+                "slots": [seq.slot for seq, _, _ in chunks], "blocks": [seq.blocks for seq, _, _ in chunks],
+                "starts": [a for _, a, _ in chunks], "reset": [seq.slot for seq, a, _ in chunks if a == 0]}
+        if all_logits is not None and any(all_logits):
+            step["all_logits"] = list(all_logits)  # in the step dict, so tensor-parallel ranks gather them too
         return self.execute(step)
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -50,26 +53,37 @@ class ModelRunner:
 
 def step_inputs(step: dict, device, block_tokens: int, rows: int | None = None, width: int | None = None,
                 pad_slot: int = 0) -> StepInputs:
-    """A step description -> its StepInputs, in one host-to-device copy. rows / width: pad to that
-    many rows (the spare slot, position 0, the never-read block 0) and block-table columns, as a
-    CUDA graph's static buffers are shaped."""
-    n, S = len(step["ids"]), len(step["ids"][0])
+    """A step description -> its StepInputs, in one host-to-device copy. Decode (starts None): rows
+    of one token, ids [B,1]; rows / width: pad to that many rows (the spare slot, position 0, the
+    never-read block 0) and block-table columns, as a CUDA graph's static buffers are shaped.
+    Prefill: the rows' chunks (any lengths) flattened into ids [1,T], never padded."""
+    n = len(step["ids"])
     rows, width = rows or n, width or max(len(b) for b in step["blocks"])
     table = torch.zeros(rows, width, dtype=torch.long)              # padding: the never-read block 0
     for i, blocks in enumerate(step["blocks"]):
         table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
     pad = rows - n
-    host = torch.cat((torch.tensor(step["ids"] + [[0] * S] * pad).flatten(),
-                      torch.tensor(step["positions"] + [[0] * S] * pad).flatten(),
+    flat = step["starts"] is not None
+    if flat:
+        lens = [len(r) for r in step["ids"]]
+        ids = [t for r in step["ids"] for t in r]
+        positions = [p for r in step["positions"] for p in r]
+        shape = (1, len(ids))
+    else:
+        lens, ids = None, [r[0] for r in step["ids"]] + [0] * pad
+        positions, shape = [r[0] for r in step["positions"]] + [0] * pad, (rows, 1)
+    host = torch.cat((torch.tensor(ids), torch.tensor(positions),
                       torch.tensor(step["slots"] + [pad_slot] * pad), table.flatten()))
-    ids, positions, slots, table = host.to(device, non_blocking=True).split((rows * S, rows * S, rows, rows * width))
-    return StepInputs(ids=ids.view(rows, S), positions=positions.view(rows, S), slots=slots,
+    T = len(ids)
+    ids, positions, slots, table = host.to(device, non_blocking=True).split((T, T, rows, rows * width))
+    return StepInputs(ids=ids.view(shape), positions=positions.view(shape), slots=slots,
                       block_table=table.view(rows, width), block_tokens=block_tokens,
-                      max_len=max(p[-1] for p in step["positions"]) + 1, starts=step["starts"], n=n)
+                      max_len=max(p[-1] for p in step["positions"]) + 1, starts=step["starts"], n=n, lens=lens)
 
 
 def run_step(model, cache: KVCache, step: dict, device, graphs=None) -> torch.Tensor:
-    """Run one step description on this rank's model and cache -> logits [B,V]."""
+    """Run one step description on this rank's model and cache -> logits [B,V] (prefill with
+    all_logits: [L,V], engine.model.step.forward)."""
     for slot in step["reset"]:      # a sequence starts in this slot: empty its running state
         cache.reset_slot(slot)
     n = len(step["ids"])

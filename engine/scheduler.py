@@ -1,9 +1,13 @@
 """Continuous batching: who runs this step.
 
-Each step runs at most one prefill chunk (a new or preempted request, or the next chunk
-of a long prompt) and one batched decode of every sequence that is past its prefill.
+Each step runs every sequence that is past its prefill (one token each) and, within a token
+budget (`max_num_batched_tokens`, the decode rows counted first), prefill chunks of as many
+sequences as fit: first those already running (the next chunk of a long prompt, or a
+preempted sequence's recompute), then the waiting queue in order. A chunk is at most
+`chunk_size` tokens. The runner feeds all of it to the model in one call.
 Cache blocks are taken as sequences grow; when the pool runs dry the most recently
 arrived running sequence is preempted (its cache freed, its tokens recomputed later).
+A prefill never preempts: it waits for blocks.
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -14,20 +18,25 @@ from .sequence import Sequence, Status
 
 @dataclass
 class Plan:
-    prefill: tuple[Sequence, int, int] | None = None       # (seq, first position, token count)
+    # (seq, first position, token count): one chunk per sequence, running ones first
+    prefill: list[tuple[Sequence, int, int]] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (no room ever)
 
     @property
     def empty(self) -> bool:
-        return self.prefill is None and not self.decode
+        return not self.prefill and not self.decode
 
 
 class Scheduler:
     def __init__(self, cache: KVCache, max_num_seqs: int, max_model_len: int, chunk_size: int = 512,
-                 max_waiting: int | None = None):
+                 max_waiting: int | None = None, max_num_batched_tokens: int = 8192):
+        if max_num_batched_tokens < max_num_seqs:   # else the decode rows alone could starve every prefill
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs})")
         self.cache, self.max_num_seqs, self.max_model_len = cache, max_num_seqs, max_model_len
         self.chunk_size, self.max_waiting = chunk_size, max_waiting
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -46,7 +55,7 @@ class Scheduler:
         plan = Plan()
         self._grow_decoders(plan)
         plan.decode = [s for s in self.running if s.in_decode]
-        plan.prefill = self._next_prefill()
+        plan.prefill = self._prefills(self.max_num_batched_tokens - len(plan.decode))
         return plan
 
     def _grow_decoders(self, plan: Plan):
@@ -67,15 +76,34 @@ class Scheduler:
             if seq.status is Status.RUNNING and need > 0:
                 seq.blocks += self.cache.allocate(need)
 
-    def _next_prefill(self):
-        seq = next((s for s in self.running if s.num_computed < s.num_tokens and not s.in_decode), None)
-        if seq is None:
-            if not self.waiting or len(self.running) >= self.max_num_seqs:
-                return None
-            seq = self.waiting[0]
-            if not self.cache.free_slots:
-                return None
-        n = min(self.chunk_size, seq.num_tokens - seq.num_computed)
+    def _prefills(self, budget: int) -> list[tuple[Sequence, int, int]]:
+        """Chunks within `budget` tokens: running sequences' next chunks, then new ones from the
+        waiting queue while slots last. Stops at the first that has no blocks (first come, first
+        served: a later, smaller prompt does not overtake it). Chunks that may record prompt
+        logprobs share at most chunk_size tokens a step: each of their tokens costs a [V] fp32
+        logits row (as when one chunk ran per step)."""
+        chunks, logit_room = [], self.chunk_size
+        queue = [s for s in self.running if not s.in_decode and s.num_computed < s.num_tokens]
+        while budget > 0:
+            if queue:
+                seq = queue.pop(0)
+            elif self.waiting and len(self.running) < self.max_num_seqs and self.cache.free_slots:
+                seq = self.waiting[0]
+            else:
+                break
+            logits = seq.prompt_logprobs is not None and seq.num_computed < len(seq.prompt_ids)
+            cap = min(budget, logit_room) if logits else budget
+            if cap == 0 or (chunk := self._chunk(seq, cap)) is None:
+                break
+            chunks.append(chunk)
+            budget -= chunk[2]
+            logit_room -= chunk[2] if logits else 0
+        return chunks
+
+    def _chunk(self, seq: Sequence, budget: int) -> tuple[Sequence, int, int] | None:
+        """seq's next chunk of at most `budget` tokens, its blocks taken (a waiting sequence is
+        admitted: slot, running) -> (seq, start, n), or None where the pool has no room for it."""
+        n = min(self.chunk_size, seq.num_tokens - seq.num_computed, budget)
         need = self.cache.blocks_needed(seq.num_computed + n) - len(seq.blocks)
         if need > 0 and not self.cache.can_allocate(need):
             return None  # wait for decoders to finish; never preempt for a prefill

@@ -27,6 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("ENGINE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $ENGINE_API_KEY, else none)")
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens one step feeds the model: decode rows plus several prompts' prefill chunks")
     p.add_argument("--max-waiting", type=int, default=4096,
                    help="sequences waiting for a slot; requests beyond this get 503 (keeps memory bounded)")
     p.add_argument("--max-n", type=int, default=128, help="largest n (and best_of) a request may ask for")
@@ -52,7 +54,8 @@ def main(argv=None) -> int:
     try:
         model = args.model or default_model_dir()
         llm = LLM(model, tp=args.tp, device=args.device, max_num_seqs=args.max_num_seqs,
-                  max_waiting=args.max_waiting, enforce_eager=args.enforce_eager)
+                  max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
     except (FileNotFoundError, NotImplementedError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 2

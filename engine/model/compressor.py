@@ -90,12 +90,16 @@ class Compressor(nn.Module):
 
     # ---- with the engine's cache: running state per sequence slot, entries in the block pool ----
     # (decode: engine.kernels.compressor.compress_decode, called by engine.model.step.compress)
-    def prefill(self, kv, score, inp, kv_state, score_state, store, inv_freq, dtype, sim):
-        """A prefill chunk's projections kv, score [B,S,coff*d] fp32 (the wkv / wgate GEMMs, no
-        ape): each row's completed windows become entries in the flat store [rows, d] at once; the
-        open window stays in the state. Torch, a row at a time."""
-        for b, start in enumerate(inp.starts):
-            self._prefill_row(kv[b], score[b], b, start, inp, kv_state, score_state, store, inv_freq, dtype, sim)
+    def prefill(self, kv, score, inp, rows, kv_state, score_state, store, inv_freq, dtype, sim):
+        """A prefill step's projections kv, score [1,T,coff*d] fp32 (the wkv / wgate GEMMs, no ape;
+        StepInputs' flat layout): each of `rows`' chunk (host row ids) has its completed windows
+        become entries in the flat store [rows, d] at once; the open window stays in the state.
+        Torch, a Python loop over rows (not tokens): one-token rows go through the decode op
+        instead (engine.model.step.compress); one varlen pooling over every chunk is still to do."""
+        for b in rows:
+            o, n = inp.offsets[b], inp.row_lens[b]
+            self._prefill_row(kv[0, o:o + n], score[0, o:o + n], b, inp.starts[b], inp, kv_state, score_state,
+                              store, inv_freq, dtype, sim)
 
     def _prefill_row(self, kv, score, b, start, inp, kv_state, score_state, store, inv_freq, dtype, sim):
         """Row b's chunk kv, score [S,coff*d] at positions start.."""

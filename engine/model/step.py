@@ -4,13 +4,16 @@ Every op goes through `ops` (engine.kernels.Ops: the Triton kernel or its torch 
 once when the model was prepared) and every rounding DeepSeek's inference applies through `num`
 (engine.numerics.Numerics), so this one code path runs on CPU with the references and on the GPU
 with the kernels, and fusing two ops means replacing two lines here with one. Decode (one token
-per row) and prefill chunks (S tokens per row) share it; where they differ (how the window's keys
-are found, the compressor), the branch is on the host-side `inp.decode`.
+per row, [B,1]) and prefill (several rows' chunks of different lengths flattened into [1,T], see
+StepInputs; decode rows may ride along as one-token chunks) share it; where they differ (how the
+window's keys are found, the ring write, the compressor, which logits come out), the branch is on
+the host-side `inp.decode`. Prefill addresses everything per token (its row's slot, block table
+and chunk start), so no token is padding and no Python loop runs over tokens.
 
-Shapes: B rows, S new tokens each, D model width, H query heads (this rank's), Dh = head_dim,
-R/2 rope frequencies, hc residual streams, E experts, k routed per token. The cache-free
-whole-sequence forward of the modules (model.Transformer.forward) stays the oracle this is
-tested against.
+Shapes: B rows, S new tokens each (prefill: B = 1 and S = T, the step's tokens), D model width,
+H query heads (this rank's), Dh = head_dim, R/2 rope frequencies, hc residual streams, E experts,
+k routed per token. The cache-free whole-sequence forward of the modules (model.Transformer.forward)
+stays the oracle this is tested against.
 """
 import torch
 import torch.nn.functional as F
@@ -28,13 +31,16 @@ from .linear import Linear
 from .moe import MoE
 
 
-def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits: bool = False) -> torch.Tensor:
-    """inp.ids [B,S] at inp.positions -> fp32 logits of each row's last token [B,V] (all_logits:
-    of every position [B,S,V]); caches updated."""
+def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) -> torch.Tensor:
+    """inp.ids at inp.positions -> fp32 logits; caches updated. Decode: of each row's token [B,V]
+    (all_logits: [B,1,V]). Prefill: of each row's last token, in row order [B,V]; all_logits (a
+    bool, or one per row) adds every token of those rows, still in order: [L,V]."""
     ops, num = model.ops, model.numerics
     h = model.embed(inp.ids)[:, :, None, :].expand(-1, -1, model.cfg.hc_mult, -1).contiguous()   # [B,S,hc,D]
     for layer, cache in zip(model.layers, caches):
         h = block(layer, h, inp, cache, ops, num)
+    if not inp.decode:
+        return model.logits(h[0, inp.logit_tokens(all_logits)])                            # [L,V]
     return model.logits(h if all_logits else h[:, -1])
 
 
@@ -67,7 +73,7 @@ def linear(lin: Linear, x: torch.Tensor, ops: Ops, num: Numerics, rounded: bool 
 # ---- attention ----
 def attention(a: Attention, x: torch.Tensor, proj, inp: StepInputs, cache: LayerCache, ops: Ops,
               num: Numerics) -> torch.Tensor:
-    """x [B,S,D] -> [B,S,D]. Each query reads its window (ring rows, plus this chunk's own keys in
+    """x [B,S,D] -> [B,S,D]. Each query reads its window (ring rows, plus its chunk's own keys in
     prefill) and, in compressed layers, its compressed entries: flat row lists the sparse MQA
     kernel reads in place."""
     B, S, _ = x.shape
@@ -96,9 +102,9 @@ def attention(a: Attention, x: torch.Tensor, proj, inp: StepInputs, cache: Layer
             idx_b = inp.once(("entry rows", a.ratio), lambda: entry_rows(inp, a.ratio, n))     # [B*S,n]
         kv_b = cache.kv.flatten(0, 1)
     o = ops.sparse_attn(q.flatten(0, 1), kv_a, idx_a, kv_b, idx_b, a.attn_sink, a.scale)     # [B*S,H,Dh]
-    if not inp.decode:   # the chunk's last W keys go into the ring once every query has read it
-        keep = min(W, S)
-        cache.window[inp.slots[:, None], inp.positions[:, -keep:] % W] = kv[:, -keep:].to(cache.window.dtype)
+    if not inp.decode:   # each chunk's last W keys go into its ring once every query has read it
+        t = inp.ring_tokens(W)                                                              # [K]
+        cache.window[inp.token_slots()[t], inp.positions[0, t] % W] = kv[0, t].to(cache.window.dtype)
     o = ops.rope_q(o.view(B, S, a.n_heads, a.head_dim), cos, sin, inverse=True)             # [B,S,H,Dh]
     return output(a, o, ops, num)
 
@@ -118,24 +124,33 @@ def window_rows(inp: StepInputs, W: int) -> torch.Tensor:
 
 
 def chunk_window(kv: torch.Tensor, inp: StepInputs, ring: torch.Tensor):
-    """Prefill: keys = these rows' ring rows [B*W,Dh] then the chunk's own keys [B*S,Dh]; each
-    query's window as rows of that -> (keys, rows [B*S,W], -1 before position 0). The ring is
-    not written yet: the chunk's earlier queries still need the rows its later keys replace."""
-    B, S, _ = kv.shape
+    """Prefill: keys = the B rows' ring rows [B*W,Dh] then the step's own keys [T,Dh]; each
+    query's window as rows of that -> (keys, rows [T,W], -1 before position 0). The ring is
+    not written yet: a chunk's earlier queries still need the rows its later keys replace."""
     W = ring.shape[1]
-    keys = torch.cat((ring[inp.slots].flatten(0, 1), kv.flatten(0, 1).to(ring.dtype)))
-    start = inp.positions[:, :1, None]                                                     # [B,1,1]
-    key_pos = inp.positions[..., None] - W + 1 + torch.arange(W, device=kv.device)         # [B,S,W]
-    row = torch.arange(B, device=kv.device)[:, None, None]
-    rows = torch.where(key_pos >= start, B * W + row * S + key_pos - start, row * W + key_pos % W)
-    return keys, torch.where(key_pos >= 0, rows, -1).flatten(0, 1)
+    keys = torch.cat((ring[inp.slots].flatten(0, 1), kv[0].to(ring.dtype)))
+    return keys, inp.once(("chunk window", W), lambda: chunk_window_rows(inp, W))
+
+
+def chunk_window_rows(inp: StepInputs, W: int) -> torch.Tensor:
+    """-> [T,W]: each query's window keys as rows of chunk_window's keys. A key at or past its
+    row's chunk start is that chunk's own (a row's tokens are consecutive, so it is the query's
+    token moved back by the position gap); before it, the row's ring; -1 before position 0."""
+    pos = inp.positions[0]                                                                 # [T]
+    tok = torch.arange(pos.shape[0], device=pos.device)
+    key_pos = pos[:, None] - W + 1 + torch.arange(W, device=pos.device)                    # [T,W]
+    own = inp.slots.shape[0] * W + (tok - pos)[:, None] + key_pos
+    ring = inp.token_rows()[:, None] * W + key_pos % W
+    rows = torch.where(key_pos >= inp.token_starts()[:, None], own, ring)
+    return torch.where(key_pos >= 0, rows, -1)
 
 
 def entry_rows(inp: StepInputs, ratio: int, n: int) -> torch.Tensor:
-    """HCA: every entry visible to each query as flat rows of the pool, -1 past it -> [B*S,n]."""
-    pos = inp.positions                                                                    # [B,S]
+    """HCA: every entry visible to each query as flat rows of the pool, -1 past it -> [B*S,n]
+    (prefill: [T,n], each token through its own row's block table)."""
+    pos, table = (inp.positions, inp.block_table) if inp.decode else (inp.positions.view(-1, 1), inp.token_table())
     ent = torch.arange(n, device=pos.device).expand(*pos.shape, n)
-    rows = entry_loc(inp.block_table, inp.block_tokens, ent, ratio)
+    rows = entry_loc(table, inp.block_tokens, ent, ratio)
     return torch.where(ent < ((pos + 1) // ratio)[..., None], rows, -1).flatten(0, 1)
 
 
@@ -145,28 +160,39 @@ def compress(c: Compressor, kv: torch.Tensor, score: torch.Tensor, inp: StepInpu
              num: Numerics):
     """Feed this step's projections kv, score [B,S,coff*d] (fp32) into the compressor's running
     state; windows that complete become entries (in the model's dtype, then `store`'s) in `store`
-    [blocks, per_block, d]."""
+    [blocks, per_block, d]. Prefill: the one-token rows (a mixed step's decode rows) all at once
+    through the decode op, the longer chunks through the compressor's torch prefill."""
     sim = c.sim_of(num)
-    if not inp.decode:
-        return c.prefill(kv, score, inp, kv_state, score_state, store.flatten(0, 1), inv_freq, dtype, sim)
-    cos, sin = inp.cos_sin(f"entry/{c.ratio}", inv_freq, entry_ratio=c.ratio)             # at the entry's position
-    ops.compress_decode(kv[:, 0], score[:, 0], c.ape, kv_state, score_state, store.flatten(0, 1), inp.slots,
-                        inp.positions, inp.block_table, inp.block_tokens, c.norm.weight, cos, sin, c.norm.eps, c.ratio,
-                        {None: SIM_NONE, "fp8": SIM_FP8, "fp4": SIM_FP4}[sim])
+    code = {None: SIM_NONE, "fp8": SIM_FP8, "fp4": SIM_FP4}[sim]
+    def entry_rope():   # at each token's entry position
+        return inp.cos_sin(f"entry/{c.ratio}", inv_freq, entry_ratio=c.ratio)
+    if inp.decode:
+        cos, sin = entry_rope()
+        return ops.compress_decode(kv[:, 0], score[:, 0], c.ape, kv_state, score_state, store.flatten(0, 1),
+                                   inp.slots, inp.positions, inp.block_table, inp.block_tokens, c.norm.weight, cos,
+                                   sin, c.norm.eps, c.ratio, code)
+    single, rows = inp.single_rows(), inp.multi_rows()
+    if single:
+        t, b = inp.single_tokens()                                                           # [m], [m]
+        cos, sin = entry_rope()                                                              # [1,T,R/2]
+        ops.compress_decode(kv[0, t], score[0, t], c.ape, kv_state, score_state, store.flatten(0, 1), inp.slots[b],
+                            inp.positions[0, t, None], inp.block_table[b], inp.block_tokens, c.norm.weight,
+                            cos[0, t], sin[0, t], c.norm.eps, c.ratio, code)
+    if rows:
+        c.prefill(kv, score, inp, rows, kv_state, score_state, store.flatten(0, 1), inv_freq, dtype, sim)
 
 
 def indexer(ix: Indexer, y: dict, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             inp: StepInputs, cache: LayerCache, n: int, inv_freq: torch.Tensor, ops: Ops, num: Numerics):
     """Update the indexer keys (from its compressor's projections in y), score each query against
     the first n entries of its sequence -> the top-k entries' flat pool rows [B*S,k] (-1 where none)."""
-    B, S, _ = qr.shape
     compress(ix.compressor, y["idx.comp.wkv"], y["idx.comp.wgate"], inp, cache.idx_kv_state, cache.idx_score_state,
              cache.idx_k, inv_freq, qr.dtype, ops, num)
     q = linear(ix.wq_b, qr, ops, num).unflatten(-1, (ix.n_heads, ix.head_dim))           # [B,S,h,d]
     q = ops.rope_q(q, cos, sin, fp4=num.indexer_fp4)                  # RoPE (then Hadamard + FP4)
     w = up(y["idx.weights_proj"]) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)           # [B,S,h]
     visible = inp.once(("visible entries", ix.ratio), lambda: ((inp.positions + 1) // ix.ratio).flatten())
-    table = inp.block_table if S == 1 else inp.block_table.repeat_interleave(S, 0)           # [B*S,blocks]
+    table = inp.block_table if inp.decode else inp.token_table()                              # [B*S,blocks]
     k = max(1, min(ix.topk, n))
     return ops.indexer_topk(q.flatten(0, 1).contiguous(), w.flatten(0, 1).contiguous(), cache.idx_k.flatten(0, 1),
                             table, inp.block_tokens // ix.ratio, visible, k, max(n, 1))[1]

@@ -1,0 +1,232 @@
+"""Batched, varlen prefill and mixed steps: several sequences' chunks (and decode rows) in one
+model call give what each sequence gives alone, within the scheduler's token budget."""
+import pytest
+import torch
+
+from conftest import rel_err
+from engine import LLM, SamplingParams
+
+TOL = 1e-4
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def _ids(vocab, n, seed):
+    return torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _llm(tiny_ckpt, **kw):
+    return LLM(tiny_ckpt("tiny", 0), device="cpu", dtype=torch.float32, numerics="plain", **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    return _llm(tiny_ckpt, max_num_seqs=16)
+
+
+class Calls:
+    """Record each model call's step description (the runner's execute) and each sampled row's
+    logits keyed by (request, sample, tokens so far)."""
+
+    def __init__(self, llm):
+        self.runner, self.steps, self.logits = llm.engine.runner, [], {}
+        self.execute = self.runner.execute
+        self.runner.execute = lambda step: (self.steps.append(step), self.execute(step))[1]
+        self.runner.logits_hook = self.hook
+
+    def hook(self, seqs, logits):
+        for s, row in zip(seqs, logits):
+            self.logits[(s.request_id, s.index, len(s.output_ids))] = row.clone()
+
+    def close(self):
+        self.runner.execute, self.runner.logits_hook = self.execute, None
+
+    def prefills(self):
+        return [s for s in self.steps if s["starts"] is not None]
+
+    def of(self, rid):
+        return [self.logits[k] for k in sorted(k for k in self.logits if k[0] == rid)]
+
+
+def _alone(llm, prompts, params=GREEDY):
+    """Each prompt on its own: its tokens and its sampled rows' logits."""
+    out = []
+    for p in prompts:
+        calls = Calls(llm)
+        res = llm.generate([p], params)[0]
+        calls.close()
+        out.append((res.token_ids, calls.of(res.request_id)))
+    return out
+
+
+def _same(outs, calls, alone):
+    for o, (tokens, logits) in zip(outs, alone):
+        assert o.token_ids == tokens
+        mine = calls.of(o.request_id)
+        assert len(mine) == len(logits)
+        assert max(rel_err(a, b).item() for a, b in zip(mine, logits)) <= TOL
+
+
+def test_sixteen_prompts_prefill_in_one_call(llm):
+    """16 prompts of 1..61 tokens (across the window of 8 and the ratio-4 and ratio-16 windows):
+    one varlen prefill call for all of them, then decode-only steps (the graph path's
+    description: starts None), and each prompt's tokens and logits as when it runs alone."""
+    V = llm.model.cfg.vocab_size
+    prompts = [_ids(V, n, 100 + n) for n in (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 33, 40, 47, 61)]
+    alone = _alone(llm, prompts)
+    calls = Calls(llm)
+    outs = llm.generate(prompts, GREEDY)
+    calls.close()
+    prefills = calls.prefills()
+    assert len(prefills) == 1 and len(prefills[0]["ids"]) == 16
+    assert [len(r) for r in prefills[0]["ids"]] == [len(p) for p in prompts]
+    assert len(calls.steps) == GREEDY.max_tokens            # then one decode call per token
+    assert all(len(s["ids"]) == 16 and all(len(r) == 1 for r in s["ids"]) for s in calls.steps[1:])
+    _same(outs, calls, alone)
+
+
+def test_budget_splits_prefills_and_mixes_decode_rows(tiny_ckpt):
+    """A budget of 24 tokens and chunks of at most 10: every call stays within the budget, several
+    sequences share calls, decode rows ride in the prefill calls (mixed steps), same tokens."""
+    llm = _llm(tiny_ckpt, max_num_seqs=6, chunk_size=10, max_num_batched_tokens=24)
+    V = llm.model.cfg.vocab_size
+    prompts = [_ids(V, n, 200 + n) for n in (3, 30, 11, 5, 22, 9)]
+    alone = _alone(llm, prompts)
+    calls = Calls(llm)
+    outs = llm.generate(prompts, GREEDY)
+    calls.close()
+    sizes = [sum(len(r) for r in s["ids"]) for s in calls.prefills()]
+    assert max(sizes) <= 24 and max(max(len(r) for r in s["ids"]) for s in calls.prefills()) <= 10
+    assert len(calls.prefills()) < len(prompts) + 2          # one at a time would take 9 chunks
+    mixed = [s for s in calls.prefills() if any(len(r) == 1 and p[0] > 0 for r, p in zip(s["ids"], s["positions"]))]
+    assert mixed, "no decode row rode in a prefill call"
+    _same(outs, calls, alone)
+
+
+def test_decode_keeps_going_while_a_long_prompt_prefills(tiny_ckpt):
+    """A running sequence gets a token every step while a 45-token prompt prefills in chunks of 6:
+    one model call per step, the decode row in it."""
+    llm = _llm(tiny_ckpt, max_num_seqs=2, chunk_size=6)
+    V = llm.model.cfg.vocab_size
+    short, long = _ids(V, 5, 7), _ids(V, 45, 8)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    alone = _alone(llm, [short, long], params)
+    eng = llm.engine
+    calls = Calls(llm)
+    a = eng.add_request(short, params)
+    eng.step()                                        # a's prefill and first token
+    b = eng.add_request(long, params)
+    seq_a = eng.requests[a].seqs[0]
+    counts, done = [], {}
+    while len(done) < 2:
+        before = len(seq_a.output_ids)
+        n_calls = len(calls.steps)
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        assert len(calls.steps) == n_calls + 1        # one model call per step
+        if not seq_a.finished:
+            counts.append(len(seq_a.output_ids) - before)
+    calls.close()
+    assert len(counts) >= 8 and set(counts) == {1}    # 45 / 6 -> 8 chunks, a token each step
+    assert sum(1 for s in calls.prefills() if len(s["ids"]) == 2) >= 8   # a's decode row rode along
+    _same([done[a], done[b]], calls, alone)
+
+
+def test_prompt_logprobs_across_a_batched_prefill(tiny_ckpt):
+    """Prompt logprobs (every position of each chunk, in order) of several prompts prefilled
+    together in chunks, n=2 siblings sharing one list, equal the one-at-a-time ones."""
+    llm = _llm(tiny_ckpt, max_num_seqs=8, chunk_size=6)
+    V = llm.model.cfg.vocab_size
+    prompts = [_ids(V, n, 300 + n) for n in (4, 13, 1, 20)]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=3, n=2)
+    alone = [llm.generate([p], params)[0] for p in prompts]
+    calls = Calls(llm)
+    outs = llm.generate(prompts, params)
+    calls.close()
+    assert max(len(s["ids"]) for s in calls.prefills()) >= 4
+    for o, ref in zip(outs, alone):
+        assert len(o.prompt_logprobs) == len(o.prompt_token_ids) and o.prompt_logprobs[0] is None
+        # ranks count the vocabulary's values above the token's: in this random model's flat
+        # distributions, neighbours an fp32 ulp apart may swap places
+        assert max((abs(a - b) for a, b in zip(o.prompt_ranks[1:], ref.prompt_ranks[1:])), default=0) <= 3
+        for mine, theirs in zip(o.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+            assert mine.keys() == theirs.keys()
+            assert max(abs(mine[t] - theirs[t]) for t in mine) <= 1e-4
+        assert [c.token_ids for c in o.outputs] == [c.token_ids for c in ref.outputs]
+
+
+def test_abort_mid_prefill_in_a_batch(tiny_ckpt):
+    """Aborting one of three sequences prefilling together: the others finish as alone, the
+    aborted one's slot and blocks come back."""
+    llm = _llm(tiny_ckpt, max_num_seqs=3, chunk_size=8)
+    V = llm.model.cfg.vocab_size
+    prompts = [_ids(V, n, 400 + n) for n in (30, 25, 40)]
+    alone = _alone(llm, prompts)
+    eng = llm.engine
+    rids = [eng.add_request(p, GREEDY) for p in prompts]
+    eng.step()
+    assert all(eng.requests[r].seqs[0].num_computed == 8 for r in rids)   # all three mid-prefill
+    assert eng.abort(rids[1])
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+    assert [done[rids[0]], done[rids[2]]] == [alone[0][0], alone[2][0]]
+    assert len(llm.cache.free_slots) == 3 and llm.cache.can_allocate(llm.cache.num_blocks - 1)
+
+
+def test_preemption_with_batched_prefill(tiny_ckpt):
+    """A pool of 4 usable blocks (64 tokens each) for four 50-token prompts growing to 70: all
+    four prefill in one call, decode runs the pool dry, the latest arrivals are preempted and
+    recomputed, and every sequence ends with its alone tokens; nothing leaks."""
+    probe = _llm(tiny_ckpt, max_num_seqs=4)
+    budget = probe.cache.slot_bytes() * probe.cache.max_num_seqs + probe.cache.block_bytes() * 5
+    small = _llm(tiny_ckpt, max_num_seqs=4, kv_cache_memory=budget)
+    assert small.cache.num_blocks == 5
+    V = small.model.cfg.vocab_size
+    prompts = [_ids(V, 50, 500 + i) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone = [small.generate([p], params)[0].token_ids for p in prompts]
+    preempted = []
+    orig = small.engine.scheduler.preempt
+    small.engine.scheduler.preempt = lambda s: (preempted.append(s.request_id), orig(s))
+    calls = Calls(small)
+    outs = small.generate(prompts, params)
+    calls.close()
+    assert preempted, "the pool never ran out: the test does not exercise preemption"
+    assert len(calls.prefills()[0]["ids"]) == 4
+    assert [o.token_ids for o in outs] == alone
+    assert small.cache.can_allocate(small.cache.num_blocks - 1), "blocks leaked"
+
+
+def test_budget_below_max_num_seqs_is_rejected(tiny_ckpt):
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        _llm(tiny_ckpt, max_num_seqs=8, max_num_batched_tokens=4)
+
+
+def test_scheduler_budget_and_prompt_logprob_room(tiny_ckpt):
+    """The scheduler alone: decode rows count against the budget; chunks that record prompt
+    logprobs share at most chunk_size tokens a step (their [V] logits rows), the others the rest."""
+    from engine.sequence import Sequence
+
+    llm = _llm(tiny_ckpt, max_num_seqs=8, chunk_size=16, max_num_batched_tokens=40)
+    sched = llm.engine.scheduler
+    plain, lp = SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, prompt_logprobs=0)
+    seqs = [Sequence(f"r{i}", 0, list(range(2, 2 + n)), p)
+            for i, (n, p) in enumerate([(12, lp), (30, lp), (30, plain), (30, plain)])]
+    for s in seqs:
+        s.prompt_logprobs = [None] if s.params.prompt_logprobs is not None else None
+        sched.add(s)
+    plan = sched.schedule()
+    assert [(s.request_id, a, n) for s, a, n in plan.prefill] == [("r0", 0, 12), ("r1", 0, 4), ("r2", 0, 16),
+                                                                  ("r3", 0, 8)]
+    for s, a, n in plan.prefill:
+        s.num_computed = a + n
+    seqs[0].output_ids.append(5)                       # r0 decodes next: one token of the budget
+    plan = sched.schedule()
+    assert plan.decode == [seqs[0]]
+    assert [(s.request_id, a, n) for s, a, n in plan.prefill] == [("r1", 4, 16), ("r2", 16, 14), ("r3", 8, 9)]
+    for s in seqs:
+        sched.finish(s, "abort")
+    assert len(llm.cache.free_slots) == 8 and llm.cache.can_allocate(llm.cache.num_blocks - 1)
