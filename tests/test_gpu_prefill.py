@@ -1,0 +1,45 @@
+"""Batched varlen prefill through the kernels on the GPU (pytest -m gpu).
+
+Many prompts of lengths around the window (128) and the compression boundaries (4, 128) are
+prefilled together in steps of a small token budget, so one model call carries several
+sequences' chunks, chunks that start mid-prompt, and decode rows beside them. The kernels'
+logits equal torch bf16's within max(1e-2, 1.5 x the bf16 floor measured against torch fp32)
+and the greedy tokens agree away from near-ties (tests/test_kernel_model.py's comparison)."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from test_kernel_model import kernels_vs_torch  # noqa: E402
+from engine import LLM  # noqa: E402
+from engine.kernels import set_kernels  # noqa: E402
+
+LENS = (1, 3, 4, 5, 127, 128, 129, 131, 200, 255, 256, 257, 300, 383, 513, 600)
+
+
+@pytest.mark.parametrize("numerics", ["plain", "reference"])
+def test_batched_prefill_kernels_match_torch(tiny_ckpt, numerics):
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, 129280, (m,), generator=g).tolist() for m in LENS]
+    calls = []
+
+    def make(dtype):
+        llm = LLM(tiny_ckpt("flash", 0), device="cuda", dtype=dtype, numerics=numerics, enforce_eager=True,
+                  max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=384, skip_tokenizer_init=True)
+        runner, mine = llm.engine.runner, []
+        execute = runner.execute
+        runner.execute = lambda step: (mine.append(step["starts"]), execute(step))[1]
+        calls.append(mine)
+        return llm
+
+    try:
+        r = kernels_vs_torch(make, prompts, n=8)
+    finally:
+        set_kernels(None)
+    print({k: v for k, v in r.items() if k != "tokens"})
+    prefills = [s for s in calls[-1] if s is not None]
+    # the kernel run's prefill steps carried several sequences' chunks at a time
+    assert max(len(s) for s in prefills) >= 4 and len(prefills) < len(LENS), prefills
+    assert r["mismatch"] is None and r["max_rel_err"] <= r["tol"], r
