@@ -171,7 +171,9 @@ def step_bytes(model, cfg, tp: int, batch: int, ctx_len: int) -> int:
     return total + batch * kv
 
 
-def breakdown(run) -> dict:
+def breakdown(run, by_kernel: int = 0) -> dict:
+    """Kernel time (ms) by class over one eager step, and the launches; by_kernel: also print
+    that many kernels by name (launches, us) -- where the glue is."""
     from torch.profiler import ProfilerActivity, profile
 
     run()
@@ -179,13 +181,16 @@ def breakdown(run) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    out, count = {}, 0
+    out, count, names = {}, 0, []
     for e in prof.key_averages():
         if e.device_type.name != "CUDA" or e.self_device_time_total <= 0:
             continue
         c = classify(e.key)
         out[c] = out.get(c, 0.0) + e.self_device_time_total / 1e3       # ms
         count += e.count
+        names.append((e.self_device_time_total, e.count, e.key))
+    for us, n, key in sorted(names, reverse=True)[:by_kernel]:
+        print(f"    {n:>5} x {us / n:7.2f} us = {us / 1e3:7.3f} ms  {key[:110]}")
     out["kernels"] = count
     return out
 
@@ -221,7 +226,7 @@ def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
             replay = graphed(run)
             t_graph = timed(replay, reps=20)
             del replay
-        br = breakdown(run)
+        br = breakdown(run, args.by_kernel)
     row = make_row(ctx=ctx_len, batch=B, variant=args.variant, kernel_set=kset, layers=cfg.n_layers, tp=args.tp,
                    eager_s=t_eager, graph_s=t_graph, nbytes=step_bytes(model, cfg, args.tp, B, ctx_len),
                    bandwidth=bw, breakdown=br)
@@ -312,6 +317,8 @@ def parse_args(argv=None):
                     help="also measure the engine of this checkout (an older commit), side by side")
     ap.add_argument("--variant", default="HEAD", help="this tree's label in the rows")
     ap.add_argument("--out", default=None, help="write the rows (all variants) as JSON")
+    ap.add_argument("--by-kernel", type=int, default=0, metavar="N",
+                    help="print each row's N costliest kernels by name (launches x us)")
     args = ap.parse_args(argv)
     if args.quick:
         args.layers, args.contexts, args.batches = min(args.layers, 4), "1024,8192", "1,16,64"
