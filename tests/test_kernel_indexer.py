@@ -118,6 +118,13 @@ def interp_scores():
         out = ix.indexer_scores(**case, max_entries=N, out=buf, n_split=n_split)
         assert out is buf
         check_scores(buf, ix.indexer_scores_ref(**case, max_entries=N), case["n_visible"], 1e-4)
+    # the model's head weights: the bf16 weights_proj output, scaled by (d * H)^-1/2 inside the op,
+    # exactly as the step scaled it before (up, then multiply, in fp32)
+    case = make_case(3, 16, 128, 5, 100, [100, 0, 37], torch.bfloat16, seed=9)
+    case["w"], scale = case["w"].bfloat16(), 128 ** -0.5 * 16 ** -0.5
+    ref = ix.indexer_scores_ref(**case, max_entries=100, w_scale=scale)
+    assert torch.equal(ref, ix.indexer_scores_ref(**{**case, "w": case["w"].float() * scale}, max_entries=100))
+    check_scores(ix.indexer_scores(**case, max_entries=100, w_scale=scale), ref, case["n_visible"], 1e-4)
 
 
 def clear_case(T, H, D, pb, N, nv, topk, bt_dtype, seed):

@@ -29,7 +29,7 @@ TOPK_MAX_ROW = 16384         # widest score row the register-resident top-k take
 
 @triton.jit
 def _score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, nv_ptr, s_ptr,
-                  H, D, N, per_block, max_blocks, tiles_per_prog,
+                  H, D, N, per_block, max_blocks, tiles_per_prog, w_scale,
                   stride_qt, stride_qh, stride_wt, stride_kr, stride_bt, stride_st,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
@@ -40,7 +40,7 @@ def _score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, nv_ptr, s_ptr,
     hd_mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
     q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                 mask=hd_mask, other=0.0)                                            # [BH, BD]
-    w = tl.load(w_ptr + t * stride_wt + offs_h, mask=offs_h < H, other=0.0)          # [BH] fp32
+    w = tl.load(w_ptr + t * stride_wt + offs_h, mask=offs_h < H, other=0.0).to(tl.float32) * w_scale  # [BH]
     nv = tl.minimum(tl.load(nv_ptr + t), N)
     first = tl.program_id(1) * tiles_per_prog
     last = tl.minimum(first + tiles_per_prog, tl.cdiv(N, BLOCK_N))
@@ -107,9 +107,10 @@ def _topk_kernel(s_ptr, bt_ptr, nv_ptr, ids_ptr, loc_ptr, N, K, per_block, max_b
 
 
 def indexer_scores(q, w, idx_k_store, block_table, per_block: int, n_visible, max_entries: int,
-                   out=None, n_split: int | None = None) -> torch.Tensor:
-    """q [T,H,d] bf16, w [T,H] fp32, idx_k_store [rows,d] bf16, block_table [T,max_blocks] int,
-    n_visible [T] int -> scores [T, max_entries] fp32 (written into out when given)."""
+                   out=None, n_split: int | None = None, w_scale: float = 1.0) -> torch.Tensor:
+    """q [T,H,d] bf16, w [T,H] (any float dtype; the head weights are w * w_scale in fp32),
+    idx_k_store [rows,d] bf16, block_table [T,max_blocks] int, n_visible [T] int -> scores
+    [T, max_entries] fp32 (written into out when given)."""
     T, H, D = q.shape
     assert q.dtype in (torch.bfloat16, torch.float16) and idx_k_store.dtype == q.dtype
     assert q.stride(-1) == 1 and idx_k_store.stride(-1) == 1 and w.stride(-1) == 1 and block_table.stride(-1) == 1
@@ -122,7 +123,7 @@ def indexer_scores(q, w, idx_k_store, block_table, per_block: int, n_visible, ma
     per_prog = triton.cdiv(n_tiles, n_split)
     grid = (T, triton.cdiv(n_tiles, per_prog))
     _score_kernel[grid](q, w, idx_k_store, block_table, n_visible, out,
-                        H, D, max_entries, per_block, block_table.shape[1], per_prog,
+                        H, D, max_entries, per_block, block_table.shape[1], per_prog, w_scale,
                         q.stride(0), q.stride(1), w.stride(0), idx_k_store.stride(0),
                         block_table.stride(0), out.stride(0),
                         BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_D=max(16, triton.next_power_of_2(D)),
@@ -144,14 +145,15 @@ def _topk_torch(scores, block_table, per_block, n_visible, topk, ids, loc):
 
 
 def indexer_topk(q, w, idx_k_store, block_table, per_block: int, n_visible, topk: int, max_entries: int,
-                 out_ids=None, out_loc=None, score_buf=None, n_split: int | None = None):
+                 out_ids=None, out_loc=None, score_buf=None, n_split: int | None = None, w_scale: float = 1.0):
     """-> ids [T, topk] int32 (entry ids, -1 where none; order unspecified: ascending from the Triton
     top-k), loc [T, topk] int32 (flat rows of idx_k_store's pool, -1 where none)."""
     T = q.shape[0]
     assert idx_k_store.shape[0] < 2 ** 31, "loc is int32"
     ids = torch.empty(T, topk, dtype=torch.int32, device=q.device) if out_ids is None else out_ids
     loc = torch.empty(T, topk, dtype=torch.int32, device=q.device) if out_loc is None else out_loc
-    scores = indexer_scores(q, w, idx_k_store, block_table, per_block, n_visible, max_entries, score_buf, n_split)
+    scores = indexer_scores(q, w, idx_k_store, block_table, per_block, n_visible, max_entries, score_buf, n_split,
+                            w_scale)
     width = triton.next_power_of_2(max_entries)
     if width > TOPK_MAX_ROW:
         _topk_torch(scores, block_table, per_block, n_visible, topk, ids, loc)
@@ -183,18 +185,21 @@ def index_select(scores: torch.Tensor, positions: torch.Tensor, ratio: int, topk
     return torch.where(idx < visible, idx, -1)
 
 
-def indexer_scores_ref(q, w, idx_k_store, block_table, per_block: int, n_visible, max_entries: int):
+def indexer_scores_ref(q, w, idx_k_store, block_table, per_block: int, n_visible, max_entries: int,
+                       w_scale: float = 1.0):
     """-> scores [T, max_entries] fp32, -inf where s >= n_visible[t]."""
     T = q.shape[0]
+    w = up(w) * w_scale
     ent = torch.arange(max_entries, device=q.device).expand(T, max_entries)
     keys = idx_k_store[entry_loc(block_table.long(), per_block, ent, 1)]            # [T,N,d]
     s = index_scores(q[:, None], w[:, None], keys)[:, 0]                             # [T,N]
     return s.masked_fill(ent >= n_visible[:, None], float("-inf"))
 
 
-def indexer_topk_ref(q, w, idx_k_store, block_table, per_block: int, n_visible, topk: int, max_entries: int):
+def indexer_topk_ref(q, w, idx_k_store, block_table, per_block: int, n_visible, topk: int, max_entries: int,
+                     w_scale: float = 1.0):
     """-> ids [T, topk] int64 (score order, -1 where none), loc [T, topk] int64, scores [T, max_entries]."""
-    scores = indexer_scores_ref(q, w, idx_k_store, block_table, per_block, n_visible, max_entries)
+    scores = indexer_scores_ref(q, w, idx_k_store, block_table, per_block, n_visible, max_entries, w_scale)
     # index_select reads entries s < (position + 1) // ratio as visible: ratio 1, position n_visible - 1.
     sel = index_select(scores[:, None], (n_visible.long() - 1)[:, None], 1, topk)[:, 0]
     ids = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)

@@ -190,12 +190,13 @@ def indexer(ix: Indexer, y: dict, qr: torch.Tensor, cos: torch.Tensor, sin: torc
              cache.idx_k, inv_freq, qr.dtype, ops, num)
     q = linear(ix.wq_b, qr, ops, num).unflatten(-1, (ix.n_heads, ix.head_dim))           # [B,S,h,d]
     q = ops.rope_q(q, cos, sin, fp4=num.indexer_fp4)                  # RoPE (then Hadamard + FP4)
-    w = up(y["idx.weights_proj"]) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)           # [B,S,h]
+    w = y["idx.weights_proj"]                                         # [B,S,h]; scaled inside the op
     visible = inp.once(("visible entries", ix.ratio), lambda: ((inp.positions + 1) // ix.ratio).flatten())
     table = inp.block_table if inp.decode else inp.token_table()                              # [B*S,blocks]
     k = max(1, min(ix.topk, n))
     return ops.indexer_topk(q.flatten(0, 1).contiguous(), w.flatten(0, 1).contiguous(), cache.idx_k.flatten(0, 1),
-                            table, inp.block_tokens // ix.ratio, visible, k, max(n, 1))[1]
+                            table, inp.block_tokens // ix.ratio, visible, k, max(n, 1),
+                            w_scale=ix.head_dim ** -0.5 * ix.n_heads ** -0.5)[1]
 
 
 # ---- MoE ----
