@@ -84,6 +84,14 @@ def test_ref_is_the_projections():
     assert p.n8 == 0 and p.n_act == 384 and p.n_lo == 448 and p.N % pg.ROW_ALIGN == 0
 
 
+def test_ref_norm_is_rms_norm_first():
+    from engine.kernels.rms_norm import rms_norm_ref
+    _, p = group("q", 256)
+    x, nw = rand_x(4, 256), 1 + 0.3 * rand_x(1, 256, seed=5)[0]
+    ys, want = pg.proj_gemm_ref(x, p, (nw, 1e-6)), pg.proj_gemm_ref(rms_norm_ref(x, nw, 1e-6), p)
+    assert all(torch.equal(ys[k], want[k]) for k in want)
+
+
 def test_pack_layout():
     segs, p = group("x", 256)
     assert (p.n8, p.n_act, p.n_lo) == (384, 384, 448)
@@ -116,6 +124,14 @@ def interp_proj():
             check_group(pg.proj_gemm(x, p, split_k=split_k), refs)
         y = pg.proj_gemm(x.view(1, M, K), p)                        # leading dims kept
         assert all(t.shape[:2] == (1, M) for t in y.values())
+    # the q latent group reads rms_norm(latent): normed inside the kernel, every split too
+    for i, (M, K, act, dt) in enumerate([(1, 256, True, torch.bfloat16), (17, 384, True, torch.bfloat16),
+                                        (3, 256, False, torch.float32)]):
+        _, p = group("q", K, dtype=dt, act=act)
+        x, nw = rand_x(M, K, dt, seed=10 + i), (1 + 0.3 * rand_x(1, K, dt, seed=20 + i)[0])
+        refs = pg.proj_gemm_ref(x, p, (nw, 1e-6))
+        for split_k in (1, None, 2):
+            check_group(pg.proj_gemm(x, p, norm=(nw, 1e-6), split_k=split_k), refs)
 
 
 @pytest.mark.parametrize("check_name", ["interp_proj"])
@@ -147,6 +163,11 @@ def test_gpu_real_groups(name, M):
     refs = pg.proj_gemm_ref(x, p)
     for split_k in (None, 1):
         check_group(pg.proj_gemm(x, p, split_k=split_k), refs)
+    if kind == "q":     # the step's q group: the latent's RMSNorm inside the kernel
+        nw = 1 + 0.3 * rand_x(1, K, device="cuda", seed=3)[0]
+        refs = pg.proj_gemm_ref(x, p, (nw, 1e-6))
+        for split_k in (None, 1):
+            check_group(pg.proj_gemm(x, p, norm=(nw, 1e-6), split_k=split_k), refs)
 
 
 @pytest.mark.gpu

@@ -32,6 +32,7 @@ import triton.language as tl
 from engine.numerics import fp8_block_dequant, fp8_sim_ref, up
 from .common import gdc_enter, pdl_args, get_workspace, interpreting, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
 from .fp8_gemm import load_block_scale, quant_e4m3_rows
+from .rms_norm import rms_norm_ref
 
 QBLOCK = 128          # FP8 scale block and the activation rounding block
 ROW_ALIGN = 64        # region boundaries: a multiple of every BLOCK_N the plans take
@@ -102,9 +103,25 @@ def split_outputs(p: Proj, lo: torch.Tensor, hi: torch.Tensor, lead) -> dict:
 # ----------------------------------------------------------------------------- kernel
 
 @triton.jit
-def _xload(x_row, k, rm, ACT: tl.constexpr, SW_ROUND: tl.constexpr):
-    """x [BM, 128] at K offsets k; ACT: rounded to e4m3 with a power-of-two scale per row (fp8_sim)."""
+def _rstd(x_row, rm, K, eps, BLOCK_M: tl.constexpr):
+    """1 / RMS of each row of x [BM, K] (fp32), as the rms_norm kernel computes it."""
+    kk = tl.arange(0, _QB)
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    for kb in range(0, K // _QB):
+        k = kb * _QB + kk
+        x = tl.load(x_row + k[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    return tl.math.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _xload(x_row, k, rm, ACT: tl.constexpr, SW_ROUND: tl.constexpr, NORM: tl.constexpr, nw_ptr, rstd):
+    """x [BM, 128] at K offsets k; NORM: RMS-normed (w * x * rstd in fp32, rounded to x's dtype, as
+    the rms_norm kernel stores it); ACT: then rounded to e4m3 with a power-of-two scale per row (fp8_sim)."""
     x = tl.load(x_row + k[None, :], mask=rm[:, None], other=0.0)
+    if NORM:
+        y = tl.load(nw_ptr + k).to(tl.float32)[None, :] * (x.to(tl.float32) * rstd[:, None])
+        x = round_to(y, x.dtype).to(x.dtype)
     if ACT:
         q, sa = quant_e4m3_rows(x.to(tl.float32), SW_ROUND)
         x = (q.to(tl.float32) * sa[:, None]).to(x.dtype)        # exact: 4 significant bits
@@ -121,11 +138,11 @@ def _dot_t(x, w, acc):
 
 @triton.jit
 def _k_loop(x_row, w_row, s_row, s_ptr, rm, cm, kb0, kb1, acc,
-            FP8: tl.constexpr, ACT: tl.constexpr, SW_ROUND: tl.constexpr):
+            FP8: tl.constexpr, ACT: tl.constexpr, SW_ROUND: tl.constexpr, NORM: tl.constexpr, nw_ptr, rstd):
     kk = tl.arange(0, _QB)
     for kb in range(kb0, kb1):
         k = kb * _QB + kk
-        x = _xload(x_row, k, rm, ACT, SW_ROUND)                                      # [BM, 128]
+        x = _xload(x_row, k, rm, ACT, SW_ROUND, NORM, nw_ptr, rstd)                  # [BM, 128]
         w = tl.load(w_row + k[None, :], mask=cm[:, None], other=0.0)                 # [BN, 128]
         if FP8:     # a fresh dot per scale block, scaled into the fp32 accumulator
             sb = load_block_scale(s_ptr, s_row + kb, cm, True)
@@ -136,10 +153,10 @@ def _k_loop(x_row, w_row, s_row, s_ptr, rm, cm, kb0, kb1, acc,
 
 
 @triton.jit
-def _proj_kernel(x_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr, lo_ptr, hi_ptr, part_ptr, ticket_ptr,
+def _proj_kernel(x_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr, lo_ptr, hi_ptr, part_ptr, ticket_ptr, nw_ptr,
                  M, N, K, n8, n_act, n_lo, kb_per_split, n_split,
-                 stride_xm, stride_s8,
-                 ACT8: tl.constexpr, SW_ROUND: tl.constexpr, SPLIT: tl.constexpr,
+                 stride_xm, stride_s8, eps,
+                 ACT8: tl.constexpr, SW_ROUND: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -151,15 +168,19 @@ def _proj_kernel(x_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr, lo_ptr, hi_ptr, part_p
     kb0 = pid_s * kb_per_split
     kb1 = tl.minimum(kb0 + kb_per_split, K // _QB)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # NORM: x is an RMSNorm's input; every program (each K split too) takes the rows' full norm first
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+    if NORM:
+        rstd = _rstd(x_row, rm, K, eps, BLOCK_M)
     if n0 < n8:
         acc = _k_loop(x_row, w8_ptr + cols.to(tl.int64)[:, None] * K, (cols // _QB) * stride_s8, s8_ptr,
-                      rm, cm, kb0, kb1, acc, True, ACT8, SW_ROUND)
+                      rm, cm, kb0, kb1, acc, True, ACT8, SW_ROUND, NORM, nw_ptr, rstd)
     elif n0 < n_act:
         acc = _k_loop(x_row, wd_ptr + (cols - n8).to(tl.int64)[:, None] * K, cols, s8_ptr, rm, cm, kb0, kb1, acc,
-                      False, True, SW_ROUND)
+                      False, True, SW_ROUND, NORM, nw_ptr, rstd)
     else:
         acc = _k_loop(x_row, wd_ptr + (cols - n8).to(tl.int64)[:, None] * K, cols, s8_ptr, rm, cm, kb0, kb1, acc,
-                      False, False, SW_ROUND)
+                      False, False, SW_ROUND, NORM, nw_ptr, rstd)
     mask = rm[:, None] & cm[None, :]
     if SPLIT:
         p_offs = rows[:, None] * N + cols[None, :]
@@ -214,11 +235,12 @@ def proj_plan(M, N, K, device=None, block_n=None, split_k=None, num_warps=None, 
                     num_stages or (4 if M <= 16 else 3))
 
 
-def proj_gemm(x: torch.Tensor, p: Proj, workspace=None, **plan_kw) -> dict:
+def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, **plan_kw) -> dict:
     """x [..., K] -> {name: [..., out]}: each projection of the group, in x's dtype (lo) or fp32
-    (hi). K must be a multiple of 128 (else the reference runs)."""
+    (hi). norm = (weight [K], eps): the group reads rms_norm(x, weight, eps), normed in the
+    kernel. K must be a multiple of 128 (else the reference runs)."""
     if p.K % QBLOCK or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return proj_gemm_ref(x, p)
+        return proj_gemm_ref(x, p, norm)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, p.K)
     if x2.stride(-1) != 1:
@@ -233,18 +255,20 @@ def proj_gemm(x: torch.Tensor, p: Proj, workspace=None, **plan_kw) -> dict:
         _proj_kernel[pl.grid](
             x2, p.w8 if p.w8 is not None else x2, p.s8 if p.s8 is not None else x2,
             p.wd if p.wd is not None else x2, p.meta, lo, hi, ws.partials if split else hi,
-            ws.tickets if split else hi,
+            ws.tickets if split else hi, norm[0] if norm is not None else x2,
             M, p.N, p.K, p.n8, p.n_act, p.n_lo, pl.kb_per_split, pl.split,
-            x2.stride(0), p.s8.stride(0) if p.s8 is not None else 0,
-            ACT8=p.n_act >= p.n8 > 0, SW_ROUND=interpreting(), SPLIT=split,
+            x2.stride(0), p.s8.stride(0) if p.s8 is not None else 0, norm[1] if norm is not None else 0.0,
+            ACT8=p.n_act >= p.n8 > 0, SW_ROUND=interpreting(), SPLIT=split, NORM=norm is not None,
             BLOCK_M=pl.block_m, BLOCK_N=pl.block_n, ALIGN=ROW_ALIGN, num_warps=pl.num_warps,
             num_stages=pl.num_stages, **pdl_args())
     return split_outputs(p, lo, hi, lead)
 
 
-def proj_gemm_ref(x: torch.Tensor, p: Proj, **_) -> dict:
-    """Torch reference: each projection's math on its dequantised rows, fp32 accumulate (fp64 for
-    an fp64 model); lo outputs cast to x's dtype."""
+def proj_gemm_ref(x: torch.Tensor, p: Proj, norm=None, **_) -> dict:
+    """Torch reference: rms_norm(x) when normed, then each projection's math on its dequantised
+    rows, fp32 accumulate (fp64 for an fp64 model); lo outputs cast to x's dtype."""
+    if norm is not None:
+        x = rms_norm_ref(x, *norm)
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     xs = {False: up(x).to(wide)}
     res = {}
