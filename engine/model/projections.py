@@ -7,8 +7,11 @@ Per block, two groups, each a single launch at decode:
   Compressor.project computes them).
 - "ffn", on the FFN's normed x: the shared expert's w1 and w3 (FP8), then the router gate's
   logits (fp32), when the router is the sqrt-softplus one the router kernel takes.
-The q latent's two projections (wq_b, the indexer's wq_b) and the lone wo_b and w2 stay on
-cuBLAS: bench/proj.py measures the packed kernel slower there at M = 64 (bench/RESULTS.md).
+- "q", on the q latent (wq_a's output) before its RMSNorm: wq_b and the indexer's wq_b (FP8),
+  the norm done inside the kernel. Taken up to Q_GROUP_MAX_M tokens: bench/proj.py measures it
+  faster than rms_norm + two cuBLAS GEMMs at M <= 16 and slower at M = 64 (bench/RESULTS.md), so
+  larger steps (prefill, big batches) keep the cuBLAS path.
+The lone wo_b and w2 stay on cuBLAS (bench/proj.py: no faster packed, slower at M = 64).
 
 FP8 rows are kept as the checkpoint's e4m3 + E8M0 bytes when the kernel runs (half the bytes of
 the dequantised copy), re-derived from the loaded weight and used only if that is exact, as it is
@@ -22,6 +25,8 @@ from ..kernels.proj_gemm import QBLOCK, Proj, pack_proj
 from ..numerics import Numerics, fp8_block_dequant
 from .block import Block
 from .linear import Linear
+
+Q_GROUP_MAX_M = 16      # tokens in a step up to which the q group runs packed (see above)
 
 
 def fp8_rows(lin: Linear):
@@ -63,10 +68,21 @@ def ffn_segments(b: Block, num: Numerics, fp8: bool) -> list:
     return segs
 
 
+def q_segments(b: Block, num: Numerics, fp8: bool) -> list:
+    a = b.attn
+    segs = [_linear("wq_b", a.wq_b, num, fp8)]
+    if a.indexer is not None:
+        segs.append(_linear("idx.wq_b", a.indexer.wq_b, num, fp8))
+    # one region per group: the two must agree on FP8 rows and on the input rounding
+    return segs if len({(s[2] is not None, s[3]) for s in segs}) == 1 else []
+
+
 def pack_block(b: Block, num: Numerics, fp8: bool) -> dict:
-    """-> {"attn": Proj, "ffn": Proj or None}; the dense rows' module weights become views of it."""
+    """-> {"attn": Proj, "ffn": Proj or None, "q": Proj or None}; the dense rows' module weights
+    become views of it."""
     out = {}
-    for group, segs in (("attn", attn_segments(b, num, fp8)), ("ffn", ffn_segments(b, num, fp8))):
+    for group, segs in (("attn", attn_segments(b, num, fp8)), ("ffn", ffn_segments(b, num, fp8)),
+                        ("q", q_segments(b, num, fp8))):
         segs.sort(key=lambda s: (s[2] is not None, s[3], s[4]), reverse=True)     # region order
         if not segs:
             out[group] = None

@@ -29,6 +29,7 @@ from .indexer import Indexer
 from .kv_cache import LayerCache, StepInputs, entry_loc
 from .linear import Linear
 from .moe import MoE
+from .projections import Q_GROUP_MAX_M
 
 
 def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) -> torch.Tensor:
@@ -47,7 +48,7 @@ def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) 
 def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Ops, num: Numerics) -> torch.Tensor:
     """h [B,S,hc,D] -> [B,S,hc,D]: attention, then MoE, each wrapped in mHC."""
     x, post, comb = hc_pre(b, h, "attn", ops)                                 # x [B,S,D] normed
-    h = ops.mhc_post(attention(b.attn, x, b.proj["attn"], inp, cache, ops, num), h, post, comb)
+    h = ops.mhc_post(attention(b.attn, x, b.proj, inp, cache, ops, num), h, post, comb)
     x, post, comb = hc_pre(b, h, "ffn", ops)
     return ops.mhc_post(moe(b.ffn, x, b.proj["ffn"], inp.ids, ops, num), h, post, comb)
 
@@ -78,9 +79,9 @@ def attention(a: Attention, x: torch.Tensor, proj, inp: StepInputs, cache: Layer
     kernel reads in place."""
     B, S, _ = x.shape
     cos, sin = inp.cos_sin(a.rope_key, a.inv_freq)                                        # [B,S,R/2]
-    y = ops.proj_gemm(x, proj)        # wq_a, wkv, the compressors' and indexer's x projections, one GEMM
-    qr = ops.rms_norm(y["wq_a"], a.q_norm.weight, a.eps)                                    # [B,S,q_lora]
-    q = linear(a.wq_b, qr, ops, num).unflatten(-1, (a.n_heads, a.head_dim))                  # [B,S,H,Dh]
+    y = ops.proj_gemm(x, proj["attn"])   # wq_a, wkv, the compressors' and indexer's x projections, one GEMM
+    yq = q_up(a, y["wq_a"], proj.get("q"), ops, num)                    # the q latent's norm and up-projections
+    q = yq["wq_b"].unflatten(-1, (a.n_heads, a.head_dim))                                    # [B,S,H,Dh]
     # norms, RoPE, the KV's FP8 rounding; decode also writes its key into the ring here
     ring = cache.window if inp.decode else None
     q, kv = ops.rope_qkv(q, y["wkv"], a.kv_norm.weight, a.eps, cos, sin,
@@ -97,7 +98,7 @@ def attention(a: Attention, x: torch.Tensor, proj, inp: StepInputs, cache: Layer
                  a.inv_freq, x.dtype, ops, num)
         n = inp.max_len // a.ratio                                  # entries visible to the latest token
         if a.indexer is not None:
-            idx_b = indexer(a.indexer, y, qr, cos, sin, inp, cache, n, a.inv_freq, ops, num)     # [B*S,k]
+            idx_b = indexer(a.indexer, y, yq["idx.wq_b"], cos, sin, inp, cache, n, a.inv_freq, ops, num)  # [B*S,k]
         else:
             idx_b = inp.once(("entry rows", a.ratio), lambda: entry_rows(inp, a.ratio, n))     # [B*S,n]
         kv_b = cache.kv.flatten(0, 1)
@@ -107,6 +108,19 @@ def attention(a: Attention, x: torch.Tensor, proj, inp: StepInputs, cache: Layer
         cache.window[inp.token_slots()[t], inp.positions[0, t] % W] = kv[0, t].to(cache.window.dtype)
     o = ops.rope_q(o.view(B, S, a.n_heads, a.head_dim), cos, sin, inverse=True)             # [B,S,H,Dh]
     return output(a, o, ops, num)
+
+
+def q_up(a: Attention, latent: torch.Tensor, group, ops: Ops, num: Numerics) -> dict:
+    """The q latent [B,S,q_lora] -> {"wq_b": [B,S,H*Dh], "idx.wq_b": [B,S,h*d] (indexed layers)}
+    of rms_norm(latent). Small steps: one packed GEMM with the norm inside; larger: the norm, then
+    cuBLAS (projections.Q_GROUP_MAX_M says why)."""
+    if group is not None and latent.shape[0] * latent.shape[1] <= Q_GROUP_MAX_M:
+        return ops.proj_gemm(latent, group, norm=(a.q_norm.weight, a.eps))
+    qr = ops.rms_norm(latent, a.q_norm.weight, a.eps)
+    out = {"wq_b": linear(a.wq_b, qr, ops, num)}
+    if a.indexer is not None:
+        out["idx.wq_b"] = linear(a.indexer.wq_b, qr, ops, num)
+    return out
 
 
 def output(a: Attention, o: torch.Tensor, ops: Ops, num: Numerics) -> torch.Tensor:
@@ -182,13 +196,14 @@ def compress(c: Compressor, kv: torch.Tensor, score: torch.Tensor, inp: StepInpu
         c.prefill(kv, score, inp, rows, kv_state, score_state, store.flatten(0, 1), inv_freq, dtype, sim)
 
 
-def indexer(ix: Indexer, y: dict, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def indexer(ix: Indexer, y: dict, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             inp: StepInputs, cache: LayerCache, n: int, inv_freq: torch.Tensor, ops: Ops, num: Numerics):
-    """Update the indexer keys (from its compressor's projections in y), score each query against
-    the first n entries of its sequence -> the top-k entries' flat pool rows [B*S,k] (-1 where none)."""
+    """Update the indexer keys (from its compressor's projections in y), score each query q
+    [B,S,h*d] (its wq_b of the q latent) against the first n entries of its sequence -> the top-k
+    entries' flat pool rows [B*S,k] (-1 where none)."""
     compress(ix.compressor, y["idx.comp.wkv"], y["idx.comp.wgate"], inp, cache.idx_kv_state, cache.idx_score_state,
-             cache.idx_k, inv_freq, qr.dtype, ops, num)
-    q = linear(ix.wq_b, qr, ops, num).unflatten(-1, (ix.n_heads, ix.head_dim))           # [B,S,h,d]
+             cache.idx_k, inv_freq, q.dtype, ops, num)
+    q = q.unflatten(-1, (ix.n_heads, ix.head_dim))                                         # [B,S,h,d]
     q = ops.rope_q(q, cos, sin, fp4=num.indexer_fp4)                  # RoPE (then Hadamard + FP4)
     w = y["idx.weights_proj"]                                         # [B,S,h]; scaled inside the op
     visible = inp.once(("visible entries", ix.ratio), lambda: ((inp.positions + 1) // ix.ratio).flatten())
