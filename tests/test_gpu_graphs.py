@@ -6,6 +6,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+GPU_CACHE = 2 << 30    # cache bytes per engine: the GPU test files run side by side
+
 from conftest import rel_err  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -41,7 +43,7 @@ def test_graph_replay_equals_eager(tiny_ckpt, dtype):
     schedule = {0: prompts[:1], 2: prompts[1:3], 5: prompts[3:7], 9: prompts[7:]}
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 12, 25, 7, 40)]
     kw = dict(device="cuda", dtype=dtype, max_num_seqs=16, numerics="plain", max_model_len=512,
-              skip_tokenizer_init=True)
+              skip_tokenizer_init=True, kv_cache_memory=GPU_CACHE)
     eager = LLM(path, enforce_eager=True, **kw)
     # eager on the very batches the graphs replay (padded to the bucket): bf16 GEMMs of another
     # row count round differently, and the random tiny model's greedy choice can flip on that
@@ -70,7 +72,7 @@ def test_tp2_graph_replay_equals_eager(tiny_ckpt):
     schedule = {0: prompts[:2], 3: prompts[2:]}
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 20)]
     kw = dict(device="cuda", dtype=torch.float32, tp=2, max_num_seqs=4, numerics="plain", max_model_len=256,
-              skip_tokenizer_init=True)
+              skip_tokenizer_init=True, kv_cache_memory=GPU_CACHE)
     eager = LLM(path, enforce_eager=True, **kw)
     want, want_logits = _run(eager, schedule, params)
     eager.shutdown()
@@ -96,7 +98,7 @@ def test_pdl_changes_no_bit(tiny_ckpt, monkeypatch):
     schedule = {0: prompts[:2], 3: prompts[2:]}
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 9)]
     kw = dict(device="cuda", dtype=torch.bfloat16, max_num_seqs=8, numerics="reference", max_model_len=256,
-              skip_tokenizer_init=True)
+              skip_tokenizer_init=True, kv_cache_memory=GPU_CACHE)
     runs = {}
     for pdl in ("1", "0"):
         monkeypatch.setenv("ENGINE_PDL", pdl)

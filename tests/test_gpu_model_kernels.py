@@ -10,6 +10,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+GPU_CACHE = 2 << 30    # cache bytes per engine: the GPU test files run side by side
+
 from test_kernel_model import compare, greedy, kernels_vs_torch  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.kernels import set_kernels  # noqa: E402
@@ -21,7 +23,8 @@ def _both(path, preset_len, numerics, kernels="all", seed=1):
     try:
         r = kernels_vs_torch(lambda dtype: LLM(path, device="cuda", dtype=dtype, numerics=numerics,
                                                enforce_eager=True, max_model_len=1024,
-                                               skip_tokenizer_init=True), prompts, n=24, kernels=kernels)
+                                               skip_tokenizer_init=True, kv_cache_memory=GPU_CACHE),
+                             prompts, n=24, kernels=kernels)
     finally:
         set_kernels(None)
     print({k: v for k, v in r.items() if k != "tokens"})
@@ -33,7 +36,7 @@ def test_rerun_on_one_engine_is_identical(tiny_ckpt):
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(2, 129280, (m,), generator=g).tolist() for m in (60, 20, 7)]
     llm = LLM(tiny_ckpt("tiny", 0), device="cuda", dtype=torch.bfloat16, numerics="plain", enforce_eager=True,
-              max_model_len=1024, skip_tokenizer_init=True)
+              max_model_len=1024, skip_tokenizer_init=True, kv_cache_memory=GPU_CACHE)
     a, b = greedy(llm, prompts, 24), greedy(llm, prompts, 24)
     worst, mismatch = compare(*a, *b)
     assert a[0] == b[0] and worst == 0.0 and mismatch is None

@@ -12,6 +12,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
+GPU_CACHE = 2 << 30    # cache bytes per engine: the GPU test files run side by side
+
 from test_kernel_model import kernels_vs_torch  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.kernels import set_kernels  # noqa: E402
@@ -27,7 +29,8 @@ def test_batched_prefill_kernels_match_torch(tiny_ckpt, numerics):
 
     def make(dtype):
         llm = LLM(tiny_ckpt("flash", 0), device="cuda", dtype=dtype, numerics=numerics, enforce_eager=True,
-                  max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=384, skip_tokenizer_init=True)
+                  max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=384,
+                  skip_tokenizer_init=True, kv_cache_memory=GPU_CACHE)
         runner, mine = llm.engine.runner, []
         execute = runner.execute
         runner.execute = lambda step: (mine.append(step["starts"]), execute(step))[1]
