@@ -215,6 +215,24 @@ def step_fn(model, cache, ids, slots, positions, table, ctx_len):
                                       cache.layers)
 
 
+def pdl_ab(run, replay_on, ctx_len, B, rounds=5):
+    """The same step captured again with PDL off; the two graphs replayed in alternation (rounds
+    of 20) so drift hits both alike -> prints both medians."""
+    from engine.kernels.common import set_pdl
+
+    set_pdl(False)
+    try:
+        replay_off = graphed(run)
+    finally:
+        set_pdl(None)
+    on, off = [], []
+    for _ in range(rounds):
+        on.append(timed(replay_on, reps=20))
+        off.append(timed(replay_off, reps=20))
+    a, b = statistics.median(on) * 1e3, statistics.median(off) * 1e3
+    print(f"  PDL A/B ctx {ctx_len} B {B}: on {a:.3f} ms, off {b:.3f} ms ({(b - a) / b * 100:+.1f}% with PDL)", flush=True)
+
+
 def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
     """One (context, batch, kernel set): eager and graph step times, the profile, the roofline."""
     slots, positions = torch.arange(B, device="cuda"), torch.full((B, 1), ctx_len - 1, device="cuda")
@@ -225,6 +243,8 @@ def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
         if not args.no_graphs:
             replay = graphed(run)
             t_graph = timed(replay, reps=20)
+            if args.pdl_ab:
+                pdl_ab(run, replay, ctx_len, B)
             del replay
         br = breakdown(run, args.by_kernel)
     row = make_row(ctx=ctx_len, batch=B, variant=args.variant, kernel_set=kset, layers=cfg.n_layers, tp=args.tp,
@@ -317,6 +337,7 @@ def parse_args(argv=None):
                     help="also measure the engine of this checkout (an older commit), side by side")
     ap.add_argument("--variant", default="HEAD", help="this tree's label in the rows")
     ap.add_argument("--out", default=None, help="write the rows (all variants) as JSON")
+    ap.add_argument("--pdl-ab", action="store_true", help="also time each graph captured with PDL off, alternating")
     ap.add_argument("--by-kernel", type=int, default=0, metavar="N",
                     help="print each row's N costliest kernels by name (launches x us)")
     args = ap.parse_args(argv)

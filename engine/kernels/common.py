@@ -54,10 +54,23 @@ def pdl_args() -> dict:
     return {"USE_GDC": True, "launch_pdl": True} if _pdl_on() else {}
 
 
-@functools.lru_cache(maxsize=None)
+_pdl_override: bool | None = None
+
+
+def set_pdl(on: bool | None) -> None:
+    """Launches from now on with PDL on or off (None: ENGINE_PDL decides); graphs captured before
+    keep what they captured. For A/B measurements (bench/decode.py --pdl-ab)."""
+    global _pdl_override
+    _pdl_override = on
+
+
 def _pdl_on() -> bool:
-    return (os.environ.get("ENGINE_PDL", "1") != "0" and not interpreting() and torch.cuda.is_available()
-            and torch.cuda.get_device_capability()[0] >= 9)
+    return _pdl_supported() and (_pdl_override if _pdl_override is not None else os.environ.get("ENGINE_PDL", "1") != "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_supported() -> bool:
+    return not interpreting() and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
 @triton.jit
