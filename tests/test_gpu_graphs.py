@@ -100,9 +100,14 @@ def test_pdl_changes_no_bit(tiny_ckpt, monkeypatch):
     kw = dict(device="cuda", dtype=torch.bfloat16, max_num_seqs=8, numerics="reference", max_model_len=256,
               skip_tokenizer_init=True, kv_cache_memory=GPU_CACHE)
     runs = {}
+    hopper = torch.cuda.get_device_capability()[0] >= 9
     for pdl in ("1", "0"):
         monkeypatch.setenv("ENGINE_PDL", pdl)
-        assert bool(common.pdl_args()) == (pdl == "1" and torch.cuda.get_device_capability()[0] >= 9)
+        assert bool(common.pdl_args()) == (pdl == "1" and hopper)
+        with common.pdl_for_step(common.PDL_MAX_TOKENS + 1):      # larger steps launch without it
+            assert not common.pdl_args()
+        with common.pdl_for_step(common.PDL_MAX_TOKENS):
+            assert bool(common.pdl_args()) == (pdl == "1" and hopper)
         llm = LLM(path, **kw)     # new Triton launches pick the option up; compiled kernels are keyed on it
         runs[pdl] = _run(llm, schedule, params)
         del llm

@@ -11,6 +11,7 @@ from .linear import Embedding, Linear
 from .mhc import hc_head
 from ..kernels import Ops
 from ..kernels.bf16_gemm import bf16_gemm_ref
+from ..kernels.common import pdl_for_step
 from ..numerics import Numerics
 from . import projections, step
 from .attention import Attention
@@ -155,7 +156,8 @@ class Transformer(nn.Module):
         times more)."""
         if self.packed_for != (self.numerics, self.ops):
             self.pack_projections()
-        return step.forward(self, inp, caches, all_logits)
+        with pdl_for_step(inp.ids.numel()):       # PDL where it measures faster (kernels/common.py)
+            return step.forward(self, inp, caches, all_logits)
 
     @torch.inference_mode()
     def forward_mtp(self, h_main: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
