@@ -38,3 +38,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-position max-abs error relative to the reference's max-abs: [..., V] -> [...]."""
     a, b = a.double(), b.double()
     return (a - b).abs().amax(-1) / b.abs().amax(-1).clamp(min=1e-30)
+
+
+def small_pool_llm(path, max_num_seqs: int, blocks: int, **kw):
+    """A CPU fp32 engine whose cache holds exactly `blocks` blocks beside its per-sequence state
+    (preemption and cache-exhaustion tests)."""
+    from engine import LLM
+
+    kw = dict(device="cpu", dtype=torch.float32, numerics="plain", max_num_seqs=max_num_seqs, **kw)
+    probe = LLM(path, **kw).cache
+    llm = LLM(path, kv_cache_memory=probe.slot_bytes() * probe.max_num_seqs + probe.block_bytes() * blocks, **kw)
+    assert llm.cache.num_blocks == blocks
+    return llm

@@ -3,7 +3,7 @@ model call give what each sequence gives alone, within the scheduler's token bud
 import pytest
 import torch
 
-from conftest import rel_err
+from conftest import rel_err, small_pool_llm
 from engine import LLM, SamplingParams
 
 TOL = 1e-4
@@ -180,10 +180,7 @@ def test_preemption_with_batched_prefill(tiny_ckpt):
     """A pool of 4 usable blocks (64 tokens each) for four 50-token prompts growing to 70: all
     four prefill in one call, decode runs the pool dry, the latest arrivals are preempted and
     recomputed, and every sequence ends with its alone tokens; nothing leaks."""
-    probe = _llm(tiny_ckpt, max_num_seqs=4)
-    budget = probe.cache.slot_bytes() * probe.cache.max_num_seqs + probe.cache.block_bytes() * 5
-    small = _llm(tiny_ckpt, max_num_seqs=4, kv_cache_memory=budget)
-    assert small.cache.num_blocks == 5
+    small = small_pool_llm(tiny_ckpt("tiny", 0), max_num_seqs=4, blocks=5)
     V = small.model.cfg.vocab_size
     prompts = [_ids(V, 50, 500 + i) for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import rel_err
+from conftest import rel_err, small_pool_llm
 from engine import LLM, SamplingParams
 from engine.cache import KVCache
 from engine.model import load_model
@@ -115,11 +115,7 @@ def test_requests_joining_mid_run(llm):
 
 def test_preemption_recomputes_the_same_tokens(tiny_ckpt):
     # A pool of 4 blocks (64 tokens each) for three 40-token prompts growing to 80 tokens.
-    small = LLM(tiny_ckpt("tiny", 0), device="cpu", dtype=torch.float32, max_num_seqs=3, numerics="plain")
-    budget = small.cache.slot_bytes() * small.cache.max_num_seqs + small.cache.block_bytes() * 5
-    small = LLM(tiny_ckpt("tiny", 0), device="cpu", dtype=torch.float32, max_num_seqs=3, kv_cache_memory=budget,
-                numerics="plain")
-    assert small.cache.num_blocks == 5
+    small = small_pool_llm(tiny_ckpt("tiny", 0), max_num_seqs=3, blocks=5)
     V = small.model.cfg.vocab_size
     prompts = [_ids(V, 40, 60 + i) for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
