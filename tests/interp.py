@@ -8,6 +8,7 @@ child process (`run_child`) and the variable never leaks into the parent's other
   - a bf16 tl.dot multiplies the uint16 bit patterns (#11584): widen to fp32 first;
   - an fp32 -> bf16 cast truncates, where the GPU (and torch) round to nearest even.
 """
+import contextlib
 import os
 import subprocess
 import sys
@@ -50,6 +51,29 @@ def patch_interpreter():
 def child_env() -> dict:
     return {**os.environ, "TRITON_INTERPRET": "1",
             "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)}
+
+
+@contextlib.contextmanager
+def started(script: str, names):
+    """One interpreter child of `script` (its __main__ with one name) per name, all started at
+    once: each is single-threaded Python, so a 2-core machine runs a module in about half its
+    serial time. -> {name: Popen}; await one with finished(). Children still running at exit
+    are killed."""
+    env = {**child_env(), "OMP_NUM_THREADS": "1"}
+    procs = {n: subprocess.Popen([sys.executable, script, n], cwd=ROOT, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for n in names}
+    try:
+        yield procs
+    finally:
+        for p in procs.values():
+            p.kill()
+
+
+def finished(proc, timeout: int) -> str:
+    """Wait for a started() child; assert it exited 0 -> its output."""
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-12000:]
+    return out
 
 
 def run_child(script: str, *args: str, timeout: int = 900) -> str:

@@ -13,20 +13,17 @@ so a bf16 run is checked against the reference in fp32 on the same bf16 inputs (
 relative to the row's max) and, looser, against the bf16 reference itself; fp32 runs <= 1e-4.
 """
 import os
-import subprocess
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import rel_err
-from interp import child_env, patch_interpreter
+from interp import finished, patch_interpreter, started
 from engine.kernels import fused_moe as fm
 from engine.model import formats as F
 
-ROOT = Path(__file__).resolve().parents[1]
 LUT = torch.tensor(F.E2M1_VALUES)
 
 
@@ -245,19 +242,14 @@ CHECKS = ["interp_align", "interp_mxfp4", "interp_nvfp4", "interp_uneven", "inte
 
 @pytest.fixture(scope="module")
 def children():
-    """All interpreter checks start at once (they are single-threaded Python) and are awaited per test."""
-    env = {**child_env(), "OMP_NUM_THREADS": "1"}
-    procs = {c: subprocess.Popen([sys.executable, __file__, c], cwd=ROOT, env=env, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for c in CHECKS}
-    yield procs
-    for p in procs.values():
-        p.kill()
+    """All interpreter checks start at once and are awaited per test."""
+    with started(__file__, CHECKS) as procs:
+        yield procs
 
 
 @pytest.mark.parametrize("check_name", CHECKS)
 def test_interpreter(children, check_name):
-    out, _ = children[check_name].communicate(timeout=900)
-    assert children[check_name].returncode == 0, out[-12000:]
+    finished(children[check_name], timeout=900)
 
 
 # ----------------------------------------------------------------------------- GPU

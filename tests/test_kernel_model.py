@@ -19,13 +19,12 @@ equal except at a near-tie (top-two margin within the same tolerance). A wrong k
 logits by O(1). The GPU twin is tests/test_gpu_model_kernels.py.
 """
 import json
-import subprocess
 import sys
 import tempfile
 
 import pytest
 
-from interp import ROOT, child_env
+from interp import finished, started
 
 TOL = 1e-2
 CASES = {"tiny-plain": (30, 11, 5), "tiny-reference": (30, 11, 5), "flash-plain": (44, 9), "nvfp4-plain": (20, 7)}
@@ -33,20 +32,14 @@ CASES = {"tiny-plain": (30, 11, 5), "tiny-reference": (30, 11, 5), "flash-plain"
 
 @pytest.fixture(scope="module")
 def children():
-    """One interpreter child per case, all started at once (each is single-threaded Python: on a
-    2-core machine the module takes half the time it takes serially); awaited per test."""
-    env = {**child_env(), "OMP_NUM_THREADS": "1"}
-    procs = {c: subprocess.Popen([sys.executable, __file__, c], cwd=ROOT, env=env, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for c in CASES}
-    yield procs
-    for p in procs.values():
-        p.kill()
+    """One interpreter child per case, all started at once; awaited per test."""
+    with started(__file__, CASES) as procs:
+        yield procs
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernels_match_torch(children, case):
-    out, _ = children[case].communicate(timeout=1500)
-    assert children[case].returncode == 0, out[-12000:]
+    out = finished(children[case], timeout=1500)
     r = json.loads(out.strip().splitlines()[-1])
     print(case, {k: v for k, v in r.items() if k != "tokens"})
     assert r["mismatch"] is None and r["max_rel_err"] <= r["tol"], r
