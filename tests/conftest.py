@@ -40,6 +40,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).abs().amax(-1) / b.abs().amax(-1).clamp(min=1e-30)
 
 
+GPU_CACHE = 2 << 30    # cache bytes of each engine a GPU test builds: the GPU test files run side by side
+
+
 def small_pool_llm(path, max_num_seqs: int, blocks: int, **kw):
     """A CPU fp32 engine whose cache holds exactly `blocks` blocks beside its per-sequence state
     (preemption and cache-exhaustion tests)."""

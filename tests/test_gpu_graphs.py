@@ -6,9 +6,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-GPU_CACHE = 2 << 30    # cache bytes per engine: the GPU test files run side by side
-
-from conftest import rel_err  # noqa: E402
+from conftest import GPU_CACHE, rel_err  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 

@@ -10,8 +10,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-GPU_CACHE = 2 << 30    # cache bytes per engine: the GPU test files run side by side
-
+from conftest import GPU_CACHE  # noqa: E402
 from test_kernel_model import compare, greedy, kernels_vs_torch  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.kernels import set_kernels  # noqa: E402

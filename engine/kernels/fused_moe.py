@@ -527,7 +527,7 @@ def fused_moe_ref(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit
     live = (topk_ids >= 0) & (topk_ids < packed.E)
     out = experts_ref(x, torch.where(live, topk_weights, 0.0), torch.where(live, topk_ids, 0), w1, w3, w2,
                       swiglu_limit)
-    return out if shared is None else up(out) + up(shared).to(up(out).dtype)
+    return out if shared is None else up(out) + up(shared)
 
 
 # ----------------------------------------------------------------------------- torch math (the model's too)

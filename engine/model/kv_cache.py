@@ -10,6 +10,7 @@ block_table[e // per_block] at offset e % per_block. Block 0 is never handed out
 that must not land (an entry that is not complete yet) go there, so a step needs no
 data-dependent branch.
 """
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -79,13 +80,7 @@ class StepInputs:
     @property
     def offsets(self) -> list[int]:
         """Each row's first token in the flat [T] layout."""
-        def make():
-            out, o = [], 0
-            for n in self.row_lens:
-                out.append(o)
-                o += n
-            return out
-        return self.once("offsets", make)
+        return self.once("offsets", lambda: list(itertools.accumulate(self.row_lens[:-1], initial=0)))
 
     def _host(self, key, make) -> torch.Tensor:
         return self.once(key, lambda: torch.tensor(make(), dtype=torch.long, device=self.ids.device))
