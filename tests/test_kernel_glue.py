@@ -515,4 +515,6 @@ def _child(path):
 
 
 if __name__ == "__main__":
+    from interp import patch_interpreter
+    patch_interpreter()        # bf16 tl.dot (the fused mHC mix) needs the interpreter's fix
     _child(sys.argv[1])
