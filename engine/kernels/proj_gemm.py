@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from engine.numerics import fp8_block_dequant, fp8_sim_ref, up
+from .bf16_gemm import _dot
 from .common import gdc_enter, pdl_args, get_workspace, interpreting, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
 from .fp8_gemm import load_block_scale, quant_e4m3_rows
 from .rms_norm import rms_norm_ref
@@ -129,14 +130,6 @@ def _xload(x_row, k, rm, ACT: tl.constexpr, SW_ROUND: tl.constexpr, NORM: tl.con
 
 
 @triton.jit
-def _dot_t(x, w, acc):
-    """acc + x @ w^T, w widened to x's dtype (fp32 tests: the exact path, not tf32)."""
-    if x.dtype == tl.float32:
-        return tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-    return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-
-
-@triton.jit
 def _k_loop(x_row, w_row, s_row, s_ptr, rm, cm, kb0, kb1, acc,
             FP8: tl.constexpr, ACT: tl.constexpr, SW_ROUND: tl.constexpr, NORM: tl.constexpr, nw_ptr, rstd):
     kk = tl.arange(0, _QB)
@@ -146,9 +139,9 @@ def _k_loop(x_row, w_row, s_row, s_ptr, rm, cm, kb0, kb1, acc,
         w = tl.load(w_row + k[None, :], mask=cm[:, None], other=0.0)                 # [BN, 128]
         if FP8:     # a fresh dot per scale block, scaled into the fp32 accumulator
             sb = load_block_scale(s_ptr, s_row + kb, cm, True)
-            acc += _dot_t(x, w, tl.zeros_like(acc)) * sb[None, :]
+            acc += _dot(x, w, tl.zeros_like(acc)) * sb[None, :]
         else:
-            acc = _dot_t(x, w, acc)
+            acc = _dot(x, w, acc)
     return acc
 
 
