@@ -107,7 +107,10 @@ def step_inputs(step: dict, device, block_tokens: int, rows: int | None = None, 
     if src is not None:
         parts.append(torch.tensor(src + [-1] * (len(ids) - len(src))))
     T = len(ids)
-    ids, positions, slots, table, *src = torch.cat(parts).to(device, non_blocking=True).split(
+    host = torch.cat(parts)
+    if torch.device(device).type == "cuda":   # pinned: the copy is queued, never waits on the step before
+        host = host.pin_memory()
+    ids, positions, slots, table, *src = host.to(device, non_blocking=True).split(
         (T, T, rows, rows * width) + ((T,) if src is not None else ()))
     if src:   # pending tokens: gathered from the previous step's sampled ids, on the device
         if prev is None:

@@ -241,3 +241,21 @@ def test_serve_flag():
     assert parse_args([]).async_scheduling is None
     assert parse_args(["--async-scheduling"]).async_scheduling is True
     assert parse_args(["--no-async-scheduling"]).async_scheduling is False
+
+
+def test_bench_host_overlap_smoke(tiny_ckpt, tmp_path):
+    """bench/host_overlap.py (a GPU bench) parses and runs its CPU smoke mode end to end."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "host_overlap.py"
+    spec = importlib.util.spec_from_file_location("host_overlap", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    assert bench.main(["--device", "cpu", "--model", str(tiny_ckpt("tiny", 0)), "--batches", "1,2", "--steps", "2",
+                       "--warmup", "1", "--input-len", "4", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["overlap"]) for r in rows] == [(1, False), (1, True), (2, False), (2, True)]
+    assert all(r["step_ms"] > 0 and r["device_ms"] > 0 for r in rows)
