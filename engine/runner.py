@@ -90,8 +90,9 @@ def step_inputs(step: dict, device, block_tokens: int, rows: int | None = None, 
     n = len(step["ids"])
     rows, width = rows or n, width or max(len(b) for b in step["blocks"])
     table = torch.zeros(rows, width, dtype=torch.long)              # padding: the never-read block 0
-    for i, blocks in enumerate(step["blocks"]):
-        table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+    lens_b = torch.tensor([len(b) for b in step["blocks"]])
+    # every row's blocks at once (a row-major mask fill), not one small tensor per row: host time per step
+    table[:n][torch.arange(width) < lens_b[:, None]] = torch.tensor([b for r in step["blocks"] for b in r], dtype=torch.long)
     pad = rows - n
     flat = step["starts"] is not None
     if flat:

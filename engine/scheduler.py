@@ -58,8 +58,7 @@ class Scheduler:
     # ---- the plan for one step ----
     def schedule(self) -> Plan:
         plan = Plan()
-        ready = self._grow_decoders(plan)
-        plan.decode = [s for s in self.running if id(s) in ready]
+        plan.decode = self._grow_decoders(plan)
         plan.prefill = self._prefills(self.max_num_batched_tokens - len(plan.decode))
         return plan
 
@@ -69,11 +68,18 @@ class Scheduler:
         return n > 0 and (p.max_tokens is not None and len(seq.output_ids) + n >= p.max_tokens
                           or seq.num_total >= self.max_model_len)
 
-    def _grow_decoders(self, plan: Plan) -> set[int]:
+    def _grow_decoders(self, plan: Plan) -> list[Sequence]:
         """Every decoding sequence needs blocks for one more token; preempt until they fit ->
-        ids of the sequences that decode this step."""
+        the sequences that decode this step, in running order."""
+        decoders = [s for s in self.running if s.in_decode and not self._capped(s)]
+        needs = [self.cache.blocks_needed(s.num_total) - len(s.blocks) for s in decoders]
+        if self.cache.can_allocate(sum(n for n in needs if n > 0)):   # room for all (the common case): no sort
+            for seq, need in zip(decoders, needs):
+                if need > 0:
+                    seq.blocks += self.cache.allocate(need)
+            return decoders
         ready = set()
-        for seq in sorted((s for s in self.running if s.in_decode and not self._capped(s)), key=lambda s: s.arrival):
+        for seq in sorted(decoders, key=lambda s: s.arrival):
             if seq.status is not Status.RUNNING:
                 continue  # preempted while making room for an earlier one
             need = self.cache.blocks_needed(seq.num_total) - len(seq.blocks)
@@ -92,7 +98,7 @@ class Scheduler:
             if need > 0:
                 seq.blocks += self.cache.allocate(need)
             ready.add(id(seq))
-        return ready
+        return [s for s in self.running if id(s) in ready]
 
     def _prefills(self, budget: int) -> list[tuple[Sequence, int, int]]:
         """Chunks within `budget` tokens: running sequences' next chunks, then new ones from the
