@@ -162,8 +162,12 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Plan and launch a step; read the tokens of the step before it (async scheduling) or
         of this one -> the outputs of the requests that advanced or ended."""
+        touched = set()
+        if self.inflight is not None and not self.async_scheduling:   # switched off with a step in flight
+            self._read(self.inflight, touched)
+            self.inflight = None
         plan = self.scheduler.schedule()
-        touched = {s.request_id for s in plan.finished}
+        touched |= {s.request_id for s in plan.finished}
         launched = None if plan.empty else self._launch(plan, touched)
         done, self.inflight = (self.inflight, launched) if self.async_scheduling else (launched, None)
         if done is not None:

@@ -259,3 +259,23 @@ def test_bench_host_overlap_smoke(tiny_ckpt, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["overlap"]) for r in rows] == [(1, False), (1, True), (2, False), (2, True)]
     assert all(r["step_ms"] > 0 and r["device_ms"] > 0 for r in rows)
+
+
+def test_switching_overlap_off_reads_the_step_in_flight(llm):
+    """Turning async scheduling off with a step in flight reads that step first: no token lost."""
+    prompt = [9, 8, 7, 6]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = _run(llm, [prompt], params, overlap=False)[0][0]
+    eng = llm.engine
+    eng.async_scheduling = True
+    rid = eng.add_request(prompt, params)
+    for _ in range(3):
+        eng.step()
+    assert eng.inflight is not None
+    eng.async_scheduling = False
+    final = None
+    while eng.has_unfinished():
+        for o in eng.step():
+            final = o if o.request_id == rid else final
+    assert final.finished and final.token_ids == want
+    _drain(llm)
