@@ -38,3 +38,34 @@ def test_overlap_on_gpu_gives_the_synchronous_tokens(tiny_ckpt):
     for a, b in zip(sync, lagged):
         _same(a, b)
     _drain(llm)
+
+
+def test_decode_launch_never_syncs(tiny_ckpt):
+    """Planning and launching a decode step (inputs, graph replay, sampler, the tokens' copy
+    back) makes no host sync: the host is free to read the previous step meanwhile."""
+    llm = LLM(tiny_ckpt("tiny", 0), device="cuda", max_num_seqs=8, numerics="plain", max_model_len=512,
+              skip_tokenizer_init=True, kv_cache_memory=GPU_CACHE, async_scheduling=True)
+    eng = llm.engine
+    V = llm.model.cfg.vocab_size
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=40, top_p=0.9, presence_penalty=0.3, logprobs=2)]
+    for i in range(6):
+        eng.add_request(_ids(V, 10 + i, 300 + i), params[i % 2])
+    while eng.scheduler.waiting or not all(s.in_decode for s in eng.scheduler.running):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    torch.cuda.synchronize()
+    touched = set()
+    plan = eng.scheduler.schedule()
+    assert len(plan.decode) == 6 and not plan.prefill
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launched = eng._launch(plan, touched)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    done, eng.inflight = eng.inflight, launched    # the rest of EngineCore.step
+    eng._read(done, touched)
+    while eng.has_unfinished():
+        eng.step()
+    _drain(llm)
