@@ -5,6 +5,15 @@ prefill chunks the token budget admits, together (a decode-only step replays a C
 then one sampler call for every row that produced a token. After sampling, each sequence's
 new token is detokenized incrementally and checked against EOS, stop ids, stop strings,
 max_tokens and the context length.
+
+Async scheduling (async_scheduling=True) reorders the same work: a step is launched (the plan,
+the model call, the sampler: no host sync) before the previous step's tokens are read, and
+those are then appended, detokenized and stop-checked while the device runs the new step
+(engine.inflight). The plan counts each sequence's unread token (Sequence.pending) and the
+model gathers it on the device. A sequence that its unread token ends (EOS, a stop id or
+string, an abort) has been given one step too many: that row's token is dropped when read,
+never emitted. Its cache is freed right away, as every later use of its slot and blocks is a
+later step on the same stream. Off, each step's tokens are read before step() returns.
 """
 import itertools
 import time
@@ -13,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import KVCache
+from .inflight import HostTokens, InFlight
 from .runner import ModelRunner
 from .sampler import SamplingParams
 from .scheduler import Scheduler
@@ -75,8 +85,11 @@ class EngineOverloaded(RuntimeError):
 
 class EngineCore:
     def __init__(self, model, tokenizer, cache: KVCache, max_num_seqs: int, max_model_len: int,
-                 chunk_size: int = 512, max_waiting: int | None = None, max_num_batched_tokens: int = 8192):
+                 chunk_size: int = 512, max_waiting: int | None = None, max_num_batched_tokens: int = 8192,
+                 async_scheduling: bool = False):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
+        self.async_scheduling = async_scheduling
+        self.inflight: InFlight | None = None   # the launched step whose tokens the host has not read
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(cache, max_num_seqs, max_model_len, chunk_size, max_waiting, max_num_batched_tokens)
         self.runner = ModelRunner(model, cache, cache.device)
@@ -141,16 +154,30 @@ class EngineCore:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests to serve, or a launched step still to read (its rows may all be dropped)."""
+        return bool(self.requests) or self.inflight is not None
 
     # ---- one step ----
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """Plan and launch a step; read the tokens of the step before it (async scheduling) or
+        of this one -> the outputs of the requests that advanced or ended."""
+        touched = set()
+        if self.inflight is not None and not self.async_scheduling:   # switched off with a step in flight
+            self._read(self.inflight, touched)
+            self.inflight = None
         plan = self.scheduler.schedule()
-        touched = {s.request_id for s in plan.finished}
-        if plan.empty:
-            return self._collect(touched)
-        logits = self._forward(plan)                                  # [rows,V]: decode rows, then chunks
+        touched |= {s.request_id for s in plan.finished}
+        launched = None if plan.empty else self._launch(plan, touched)
+        done, self.inflight = (self.inflight, launched) if self.async_scheduling else (launched, None)
+        if done is not None:
+            self._read(done, touched)
+        return self._collect(touched)
+
+    def _launch(self, plan, touched: set[str]) -> InFlight | None:
+        """The plan's model call and sampler call, queued on the device -> its sampled rows."""
+        prev = self.inflight.token_ids if self.inflight is not None else None
+        logits = self._forward(plan, prev)                            # [rows,V]: decode rows, then chunks
         for seq in plan.decode:
             seq.num_computed += 1
         rows = [(seq, i) for i, seq in enumerate(plan.decode)]        # (sequence, its logits row) that sample
@@ -163,26 +190,43 @@ class EngineCore:
                 touched.add(seq.request_id)
             else:
                 rows.append((seq, i))
-        if rows:
-            seqs, idx = [s for s, _ in rows], [i for _, i in rows]
-            out = self.runner.sample(seqs, logits if len(idx) == logits.shape[0] else logits[idx])
-            for i, seq in enumerate(seqs):
-                self._append(seq, out, i)
-                touched.add(seq.request_id)
-        return self._collect(touched)
+        if not rows:
+            return None
+        seqs, idx = [s for s, _ in rows], [i for _, i in rows]
+        logits = logits if len(idx) == logits.shape[0] else _take(logits, idx)
+        out = self.runner.sample(seqs, logits, prev)
+        for i, seq in enumerate(seqs):
+            seq.pending, seq.pending_row = seq.pending + 1, i
+        return InFlight(seqs, out, logits.clone() if self.runner.logits_hook is not None else None)
 
-    def _forward(self, plan) -> torch.Tensor:
+    def _read(self, step: InFlight, touched: set[str]):
+        """Read a launched step's tokens and append them; rows of sequences that ended since
+        it was launched are dropped."""
+        got = step.read()
+        for seq in step.seqs:
+            seq.pending -= 1
+            if seq.pending == 0:
+                seq.pending_row = -1
+        live = [i for i, s in enumerate(step.seqs) if not s.finished]
+        if self.runner.logits_hook is not None and live:
+            self.runner.logits_hook([step.seqs[i] for i in live], step.logits[live])
+        for i in live:
+            self._append(step.seqs[i], got, i)
+            touched.add(step.seqs[i].request_id)
+
+    def _forward(self, plan, prev: torch.Tensor | None) -> torch.Tensor:
         """The plan's one model call -> logits of each row's last token [rows,V] (decode rows
-        first), recording the prompt logprobs a chunk carries on the way."""
+        first), recording the prompt logprobs a chunk carries on the way. prev: the in-flight
+        step's sampled ids, where pending tokens are read from on the device."""
         if not plan.prefill:
-            return self.runner.decode(plan.decode)
-        chunks = [(s, s.num_tokens - 1, 1) for s in plan.decode] + plan.prefill
+            return self.runner.decode(plan.decode, prev)
+        chunks = [(s, s.num_total - 1, 1) for s in plan.decode] + plan.prefill
         want, claimed = [], set()
         for seq, start, _ in chunks:   # a request's samples share one list: one chunk records it
             want.append(_records_prompt_logprobs(seq, start) and id(seq.prompt_logprobs) not in claimed)
             if want[-1]:
                 claimed.add(id(seq.prompt_logprobs))
-        logits = self.runner.prefill(chunks, want)
+        logits = self.runner.prefill(chunks, want, prev)
         if not claimed:
             return logits
         last, i = [], 0
@@ -191,7 +235,7 @@ class EngineCore:
                 _record_prompt_logprobs(seq, start, logits[i:i + n])
             i += n if w else 1
             last.append(i - 1)
-        return logits[last]
+        return _take(logits, last)
 
     def _collect(self, touched: set[str]) -> list[RequestOutput]:
         results = [self._output(self.requests[r]) for r in touched if r in self.requests]
@@ -200,16 +244,15 @@ class EngineCore:
                 del self.requests[r.request_id]
         return results
 
-    def _append(self, seq: Sequence, out, row: int):
-        tok = int(out.token_ids[row])
+    def _append(self, seq: Sequence, got: HostTokens, row: int):
+        tok = got.token_ids[row]
         p = seq.params
         seq.output_ids.append(tok)
         self.stats["generation_tokens"] += 1
         if p.logprobs is not None:
-            lp = {tok: float(out.logprobs[row])}
+            lp = {tok: got.logprobs[row]}
             if p.logprobs:  # logprobs=0: the chosen token only (the sampler then returns no top-k)
-                for t, v in zip(out.top_logprob_ids[row, :p.logprobs].tolist(),
-                                out.top_logprobs[row, :p.logprobs].tolist()):
+                for t, v in zip(got.top_ids[row][:p.logprobs], got.top_logprobs[row][:p.logprobs]):
                     lp.setdefault(t, v)
             seq.logprobs.append(lp)
         req = self.requests[seq.request_id]
@@ -246,6 +289,11 @@ class EngineCore:
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+
+def _take(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows] with the index sent without a host sync ([L,V] -> [len(rows),V])."""
+    return logits.index_select(0, torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True))
 
 
 # ---- prompt logprobs ----

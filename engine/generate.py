@@ -39,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--thinking", action="store_true", help="chat rows: thinking mode")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each step before reading the previous one's tokens (default: on for CUDA at tp=1)")
     return p.parse_args(argv)
 
 
@@ -85,7 +87,8 @@ def main(argv=None):
     from .llm import LLM
 
     llm = LLM(args.model, tp=args.tp, device=args.device, max_num_seqs=args.max_num_seqs,
-              enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens)
+              enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
+              async_scheduling=args.async_scheduling)
     prompts, params, kept = [], [], []
     for n, row, p in rows:
         try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -39,11 +40,15 @@ class LLM:
                  max_num_seqs: int = 16, max_model_len: int | None = None, kv_cache_memory: int | None = None,
                  numerics: str | None = None, chunk_size: int = 512, max_waiting: int | None = None,
                  tp_timeout: float = 120.0, enforce_eager: bool = False, skip_tokenizer_init: bool = False,
-                 max_num_batched_tokens: int = 8192):
+                 max_num_batched_tokens: int = 8192, async_scheduling: bool | None = None):
         """skip_tokenizer_init: as vLLM's, no tokenizer is loaded (engine.tokenizer is not even
         imported): prompts must be token ids, outputs carry token ids and empty text.
         max_num_batched_tokens: the tokens one step feeds the model (decode rows and prefill
-        chunks of several sequences together); chunk_size: the most of one prompt per step."""
+        chunks of several sequences together); chunk_size: the most of one prompt per step.
+        async_scheduling: launch each step before reading the previous step's tokens, so that
+        appending, detokenizing and stop checks overlap the device (engine.core); None:
+        $ENGINE_ASYNC_SCHEDULING (0 or 1) if set, else on for CUDA at tp=1 (tensor-parallel
+        ranks take their ids from the host's step description)."""
         if tp < 1:
             raise ValueError("tp must be >= 1")
         if max_num_seqs < 1:
@@ -62,6 +67,11 @@ class LLM:
         cfg.check_tp(tp, numerics)   # before any rank starts or reads a weight
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         use_graphs = self.device.type == "cuda" and not enforce_eager
+        if async_scheduling and tp > 1:
+            raise ValueError("async_scheduling is not supported with tp > 1 yet")
+        if async_scheduling is None:   # ENGINE_ASYNC_SCHEDULING=0/1 overrides (tests force the lag on CPU)
+            env = os.environ.get("ENGINE_ASYNC_SCHEDULING")
+            async_scheduling = tp == 1 and (env != "0" if env else self.device.type == "cuda")
         self.workers, self.tp = None, tp
         if tp > 1:
             self.device, self.workers = rank.join(tp, self.device, dict(
@@ -84,7 +94,7 @@ class LLM:
 
             self.tokenizer = Tokenizer.from_dir(path)
         self.engine = EngineCore(self.model, self.tokenizer, self.cache, max_num_seqs, self.max_model_len,
-                                 chunk_size, max_waiting, max_num_batched_tokens)
+                                 chunk_size, max_waiting, max_num_batched_tokens, async_scheduling)
         if self.workers is not None:
             self.engine.runner.broadcast = self.workers.send
         self.engine.runner.graphs = graphs

@@ -163,8 +163,8 @@ class SamplingBatch:
         if steps is None:
             steps = [len(o) for o in output_token_ids_list]
 
-        def vec(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+        def vec(values, dtype):   # non_blocking: pageable memory is staged at once, and nothing waits for the device
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         P = params_list
         greedy = [p.greedy for p in P]
@@ -224,6 +224,17 @@ class SamplingBatch:
         )
 
 
+    def count_tokens(self, rows: torch.Tensor, tokens: torch.Tensor):
+        """Count one more generated token per row (rows [k], tokens [k] long, on the device), as
+        if the host had it in its output ids: async scheduling's pending tokens, whose values
+        the host has not read yet when this batch is built."""
+        flat = rows * self.vocab_size + tokens           # scatter on the flat view: a plain kernel, no sync
+        if self.output_counts is not None:
+            self.output_counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        if self.seen_mask is not None:
+            self.seen_mask.view(-1).scatter_(0, flat, True)
+
+
 def _token_counts(token_lists, V: int, device) -> torch.Tensor:
     """[B, V] int32 occurrence counts, built from one flat host->device copy."""
     B = len(token_lists)
@@ -234,7 +245,7 @@ def _token_counts(token_lists, V: int, device) -> torch.Tensor:
     toks = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64)
     rows = torch.repeat_interleave(torch.arange(B), torch.tensor(lens))
     ones = torch.ones(toks.numel(), dtype=torch.int32, device=device)
-    counts.index_put_((rows.to(device), toks.to(device)), ones, accumulate=True)
+    counts.view(-1).scatter_add_(0, (rows * V + toks).to(device, non_blocking=True), ones)   # no sync
     return counts
 
 

@@ -8,6 +8,11 @@ preempted sequence's recompute), then the waiting queue in order. A chunk is at 
 Cache blocks are taken as sequences grow; when the pool runs dry the most recently
 arrived running sequence is preempted (its cache freed, its tokens recomputed later).
 A prefill never preempts: it waits for blocks.
+
+Under async scheduling a sequence may have a token sampled on the device that the host has
+not read yet (Sequence.pending): the plan counts it (the next decode row feeds it, gathered on
+the device), leaves out a sequence that this token surely finishes (max_tokens, the context),
+and never gives a chunk to a sequence with pending tokens (a recompute needs their values).
 """
 from collections import deque
 from dataclasses import dataclass, field
@@ -53,28 +58,47 @@ class Scheduler:
     # ---- the plan for one step ----
     def schedule(self) -> Plan:
         plan = Plan()
-        self._grow_decoders(plan)
-        plan.decode = [s for s in self.running if s.in_decode]
+        plan.decode = self._grow_decoders(plan)
         plan.prefill = self._prefills(self.max_num_batched_tokens - len(plan.decode))
         return plan
 
-    def _grow_decoders(self, plan: Plan):
-        """Every decoding sequence needs blocks for one more token; preempt until they fit."""
-        for seq in sorted((s for s in self.running if s.in_decode), key=lambda s: s.arrival):
+    def _capped(self, seq: Sequence) -> bool:
+        """Its pending token ends it by length once the host reads it: no step for it now."""
+        n, p = seq.pending, seq.params
+        return n > 0 and (p.max_tokens is not None and len(seq.output_ids) + n >= p.max_tokens
+                          or seq.num_total >= self.max_model_len)
+
+    def _grow_decoders(self, plan: Plan) -> list[Sequence]:
+        """Every decoding sequence needs blocks for one more token; preempt until they fit ->
+        the sequences that decode this step, in running order."""
+        decoders = [s for s in self.running if s.in_decode and not self._capped(s)]
+        needs = [self.cache.blocks_needed(s.num_total) - len(s.blocks) for s in decoders]
+        if self.cache.can_allocate(sum(n for n in needs if n > 0)):   # room for all (the common case): no sort
+            for seq, need in zip(decoders, needs):
+                if need > 0:
+                    seq.blocks += self.cache.allocate(need)
+            return decoders
+        ready = set()
+        for seq in sorted(decoders, key=lambda s: s.arrival):
             if seq.status is not Status.RUNNING:
                 continue  # preempted while making room for an earlier one
-            need = self.cache.blocks_needed(seq.num_tokens) - len(seq.blocks)
+            need = self.cache.blocks_needed(seq.num_total) - len(seq.blocks)
             while need > 0 and not self.cache.can_allocate(need):
                 victim = max(self.running, key=lambda s: s.arrival)
                 if victim is seq and len(self.running) == 1:
-                    self.finish(seq, "length")  # alone and still no room: the pool is this small
-                    plan.finished.append(seq)
+                    if not seq.pending:   # (a pending token is still its own: end it once that is read)
+                        self.finish(seq, "length")  # alone and still no room: the pool is this small
+                        plan.finished.append(seq)
                     break
                 self.preempt(victim)
                 if victim is seq:
                     break
-            if seq.status is Status.RUNNING and need > 0:
+            if seq.status is not Status.RUNNING or need > 0 and not self.cache.can_allocate(need):
+                continue   # preempted, ended, or alone with a pending token and no room (it waits)
+            if need > 0:
                 seq.blocks += self.cache.allocate(need)
+            ready.add(id(seq))
+        return [s for s in self.running if id(s) in ready]
 
     def _prefills(self, budget: int) -> list[tuple[Sequence, int, int]]:
         """Chunks within `budget` tokens: running sequences' next chunks, then new ones from the
@@ -87,7 +111,8 @@ class Scheduler:
         while budget > 0:
             if queue:
                 seq = queue.pop(0)
-            elif self.waiting and len(self.running) < self.max_num_seqs and self.cache.free_slots:
+            elif (self.waiting and len(self.running) < self.max_num_seqs and self.cache.free_slots
+                  and not self.waiting[0].pending):   # a preempted sequence's last token is not read yet
                 seq = self.waiting[0]
             else:
                 break

@@ -33,6 +33,11 @@ class Sequence:
     text: str = ""                  # detokenized output, stop strings cut
     detok: object = None            # an IncrementalDetokenizer
     preemptions: int = 0
+    # tokens sampled on the device whose values the host has not read yet (async scheduling: the
+    # next step is launched before the last one's tokens come back), and the row of the newest
+    # one in the in-flight step's sampled tokens, which the next step's input gathers on the device
+    pending: int = 0
+    pending_row: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -43,9 +48,15 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_total(self) -> int:
+        """Tokens including the pending ones: where the sequence really is on the device."""
+        return self.num_tokens + self.pending
+
+    @property
     def in_decode(self) -> bool:
-        """All but the newest token are cached: the next step feeds that one token."""
-        return self.status is Status.RUNNING and self.num_computed == self.num_tokens - 1 and bool(self.output_ids)
+        """All but the newest token (maybe still pending) are cached: the next step feeds that one token."""
+        return (self.status is Status.RUNNING and self.num_computed == self.num_total - 1
+                and bool(self.output_ids or self.pending))
 
     @property
     def finished(self) -> bool:

@@ -20,6 +20,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny checkpoint)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each step before reading the previous one's tokens (default: on for CUDA at tp=1)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
@@ -55,7 +57,7 @@ def main(argv=None) -> int:
         model = args.model or default_model_dir()
         llm = LLM(model, tp=args.tp, device=args.device, max_num_seqs=args.max_num_seqs,
                   max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling)
     except (FileNotFoundError, NotImplementedError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 2

@@ -17,7 +17,7 @@ run gemm tests/test_kernel_gemm.py & a=$!
 run moe tests/test_kernel_fused_moe.py tests/test_kernel_swiglu.py tests/test_kernel_indexer.py & b=$!
 run glue tests/test_kernel_glue.py tests/test_kernel_sparse_attn.py tests/test_kernel_proj.py tests/test_sampler.py & c=$!
 run model tests/test_gpu_model_kernels.py & d=$!
-run graphs tests/test_gpu_graphs.py tests/test_gpu_prefill.py & e=$!
+run graphs tests/test_gpu_graphs.py tests/test_gpu_prefill.py tests/test_gpu_overlap.py & e=$!
 status=0
 for p in $a $b $c $d $e; do wait $p || status=1; done
 exit $status

@@ -30,7 +30,7 @@ class Calls:
     def __init__(self, llm):
         self.runner, self.steps, self.logits = llm.engine.runner, [], {}
         self.execute = self.runner.execute
-        self.runner.execute = lambda step: (self.steps.append(step), self.execute(step))[1]
+        self.runner.execute = lambda step, *a: (self.steps.append(step), self.execute(step, *a))[1]
         self.runner.logits_hook = self.hook
 
     def hook(self, seqs, logits):

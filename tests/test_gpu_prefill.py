@@ -32,7 +32,7 @@ def test_batched_prefill_kernels_match_torch(tiny_ckpt, numerics):
                   skip_tokenizer_init=True, kv_cache_memory=GPU_CACHE)
         runner, mine = llm.engine.runner, []
         execute = runner.execute
-        runner.execute = lambda step: (mine.append(step["starts"]), execute(step))[1]
+        runner.execute = lambda step, *a: (mine.append(step["starts"]), execute(step, *a))[1]
         calls.append(mine)
         return llm
 
