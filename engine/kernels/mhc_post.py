@@ -121,7 +121,7 @@ def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
     return o.view(*lead, hc, D) if out is None else out
 
 
-MIX_BLOCK_T, MIX_BLOCK_D = 16, 128     # tokens (the dots' M) and columns per program of the fused mix
+MIX_BLOCK_T, MIX_BLOCK_D, MIX_WARPS = 16, 128, 4   # tokens (the dots' M), columns and warps per program of the fused mix
 
 
 def _post_mix(f, res, post, comb, out, fn_hi, fn_lo, eps):
@@ -144,7 +144,7 @@ def _post_mix(f, res, post, comb, out, fn_hi, fn_lo, eps):
                                    T, D, N, f2.stride(0), r3.stride(0), r3.stride(1), o.stride(0), o.stride(1),
                                    fn_hi.stride(0), parts.stride(0), HC=hc, HAS_LO=fn_lo is not None,
                                    BLOCK_T=MIX_BLOCK_T, BLOCK_D=MIX_BLOCK_D,
-                                   BLOCK_N=max(16, triton.next_power_of_2(N)), num_warps=4, **pdl_args())
+                                   BLOCK_N=max(16, triton.next_power_of_2(N)), num_warps=MIX_WARPS, **pdl_args())
     h = o.view(*lead, hc, D) if out is None else out
     return h, MixPartials(parts, hc * D, eps)
 
