@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.kernels.act_sim import fp4_sim, fp4_sim_ref, fp8_sim, fp8_sim_ref  # noqa: E402
-from engine.kernels.bf16_gemm import split_bf16  # noqa: E402
 from engine.kernels.mhc_post import mhc_post, mhc_post_ref  # noqa: E402
 from engine.kernels.mhc_pre import mhc_pre, mhc_pre_ref  # noqa: E402
 from engine.kernels.rope_kv import rope_qkv, rope_qkv_ref  # noqa: E402
@@ -85,28 +84,6 @@ def check_mhc_pre(T, dtype, D=96, dev="cpu", out=False):
     for g_, w_, dt in zip(got, mhc_pre_ref(*args), (dtype, F32, F32)):
         close(g_, w_, tol_for(dt, dev))
     return lambda: mhc_pre(*args)
-
-
-def check_mhc_post_mix(T, dtype, D=256, dev="cpu", lo=True):
-    """mhc_post with the next mix fused: the streams as mhc_post_ref's, the partials summing to
-    mhc_mix_ref of those streams, and mhc_pre reading the partials as torch reads them."""
-    r = gen(dev)
-    f, res = r(T, D).to(dtype), r(T, 4, D).to(dtype)
-    post, comb = 2 * torch.sigmoid(r(T, 4)), sinkhorn_ref(r(T, 4, 4), 20, 1e-6)
-    fn = r(24, 4 * D, s=(4 * D) ** -0.5)
-    fn_hi, fn_lo = split_bf16(fn) if dtype == BF16 else (fn, None)     # an fp32 model reads fn itself
-    mix = (fn_hi, fn_lo if lo else None, 1e-6)
-    h_ref, mix_ref = mhc_post_ref(f, res, post, comb, mix=mix)
-    with poisoned():
-        h, parts = mhc_post(f, res, post, comb, mix=mix)
-    close(h, h_ref, tol_for(dtype, dev))
-    close(parts.mix(), mix_ref, (1e-3 if lo else 1e-2) if dtype == BF16 else 1e-5)
-    args = (1 + r(3, s=0.1), r(24, s=0.5), h, (1 + r(D, s=0.05)).to(dtype), 20, 1e-6, 1e-6)
-    with poisoned():
-        got = mhc_pre(parts, *args)
-    for g_, w_, dt in zip(got, mhc_pre_ref(parts.mix(), *args), (dtype, F32, F32)):
-        close(g_, w_, tol_for(dt, dev))
-    return lambda: mhc_pre(mhc_post(f, res, post, comb, mix=mix)[1], *args)
 
 
 def check_mhc_post(T, dtype, D=96, dev="cpu", inplace=False, block_d=32):
@@ -308,8 +285,6 @@ def _cpu_cases():
             n = str(dt).split(".")[-1]
             cases[f"mhc_pre-T{T}-{n}"] = (check_mhc_pre, dict(T=T, dtype=dt, D=96 if T < 7 else 64, out=T == 3))
             cases[f"mhc_post-T{T}-{n}"] = (check_mhc_post, dict(T=T, dtype=dt, inplace=T == 3))
-            cases[f"mhc_post_mix-T{T}-{n}"] = (check_mhc_post_mix, dict(T=T, dtype=dt, D=256 if T < 7 else 384,
-                                                                         lo=T != 3))
             for table in (True, False):
                 for fp8 in (False, True):
                     cases[f"rope-T{T}-{n}-{'table' if table else 'inkernel'}-{'fp8' if fp8 else 'nofp8'}"] = (
@@ -452,7 +427,6 @@ def test_gpu_mhc(T):
     graph_equals_eager(check_mhc_post(T, BF16, D=4096, dev="cuda", block_d=512))
     check_mhc_pre(T, BF16, D=4096, dev="cuda", out=True)
     check_mhc_post(T, BF16, D=4096, dev="cuda", inplace=True, block_d=512)
-    graph_equals_eager(check_mhc_post_mix(T, BF16, D=4096, dev="cuda"))
 
 
 @pytest.mark.parametrize("T", TS)
@@ -515,6 +489,4 @@ def _child(path):
 
 
 if __name__ == "__main__":
-    from interp import patch_interpreter
-    patch_interpreter()        # bf16 tl.dot (the fused mHC mix) needs the interpreter's fix
     _child(sys.argv[1])

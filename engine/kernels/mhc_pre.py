@@ -12,56 +12,33 @@ import triton.language as tl
 
 from engine.numerics import up
 from .common import gdc_enter, pdl_args, round_to
-from .mhc_post import MixPartials
 from .rms_norm import rms_norm_ref as rms_norm
 from .sinkhorn import sinkhorn_ref as sinkhorn, sinkhorn_tile
 
 
 @triton.jit
-def _mix_at(m, offs, rnorm, PARTS: tl.constexpr, C, stride_c, BLOCK_C: tl.constexpr, TWO_D: tl.constexpr):
-    """The mix entries at offs ([HC] or, TWO_D, [HC,HC]) of one token's row m: loaded, or (PARTS)
-    summed over the C chunk partials of mhc_post's fused mix, times the row's rsqrt norm (the
-    mix kernel's order: the dots, then the norm)."""
-    if PARTS:
-        cc = tl.arange(0, BLOCK_C)
-        if TWO_D:
-            v = tl.load(m + cc[:, None, None] * stride_c + offs[None, :, :], mask=(cc < C)[:, None, None], other=0.0)
-        else:
-            v = tl.load(m + cc[:, None] * stride_c + offs[None, :], mask=(cc < C)[:, None], other=0.0)
-        return tl.sum(v, axis=0) * rnorm
-    return tl.load(m + offs)
-
-
-@triton.jit
 def _mhc_pre_kernel(mix_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, post_ptr, comb_ptr,
-                    D, stride_mt, stride_ht, stride_hj, stride_yt, hc_eps, norm_eps, C, stride_c, N, K, mix_eps,
-                    HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr,
-                    BLOCK_C: tl.constexpr, USE_GDC: tl.constexpr = False):
+                    D, stride_mt, stride_ht, stride_hj, stride_yt, hc_eps, norm_eps,
+                    HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
     t = tl.program_id(0)
     m = mix_ptr + t * stride_mt                          # mix row: pre [HC], post [HC], comb [HC*HC]
-    rnorm = 1.0
-    if PARTS:       # the fused mix's sum of squares, last column of each chunk's partials
-        cc = tl.arange(0, BLOCK_C)
-        ss = tl.sum(tl.load(m + cc * stride_c + N, mask=cc < C, other=0.0), axis=0)
-        rnorm = tl.math.rsqrt(ss / K + mix_eps)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
     k = tl.arange(0, HC)
-    post = 2 * tl.sigmoid(_mix_at(m, HC + k, rnorm, PARTS, C, stride_c, BLOCK_C, False) * s1 + tl.load(base_ptr + HC + k))
+    post = 2 * tl.sigmoid(tl.load(m + HC + k) * s1 + tl.load(base_ptr + HC + k))
     tl.store(post_ptr + t * HC + k, post)
     jk = k[:, None] * HC + k[None, :]                                                     # [HC,HC]
-    logits = _mix_at(m, 2 * HC + jk, rnorm, PARTS, C, stride_c, BLOCK_C, True) * s2 + tl.load(base_ptr + 2 * HC + jk)
+    logits = tl.load(m + 2 * HC + jk) * s2 + tl.load(base_ptr + 2 * HC + jk)
     tl.store(comb_ptr + t * HC * HC + jk, sinkhorn_tile(logits, hc_eps, ITERS))
-    pre = tl.sigmoid(_mix_at(m, k, rnorm, PARTS, C, stride_c, BLOCK_C, False) * s0 + tl.load(base_ptr + k)) + hc_eps
 
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     x = tl.zeros([BLOCK_D], tl.float32)
     for j in tl.static_range(HC):
         # streams summed in order j = 0..hc-1, as torch's sum over the stream axis does
-        pj = tl.sum(tl.where(k == j, pre, 0.0), axis=0)
+        pj = tl.sigmoid(tl.load(m + j) * s0 + tl.load(base_ptr + j)) + hc_eps
         hj = tl.load(h_ptr + t * stride_ht + j * stride_hj + d, mask=dm, other=0.0)
         x += pj * hj.to(tl.float32)
     x = round_to(x, h_ptr.dtype.element_ty)
@@ -72,19 +49,16 @@ def _mhc_pre_kernel(mix_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, post_ptr,
 
 def mhc_pre(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, h: torch.Tensor,
             norm_weight: torch.Tensor, iters: int, hc_eps: float, norm_eps: float, out=None):
-    """mix [...,(2+hc)*hc] fp32 (or mhc_post's MixPartials of it), scale [3], base [(2+hc)*hc],
-    h [...,hc,D], norm_weight [D]
+    """mix [...,(2+hc)*hc] fp32, scale [3], base [(2+hc)*hc], h [...,hc,D], norm_weight [D]
     -> y = RMSNorm(sum_j pre_j h_j) [...,D] (h dtype), post [...,hc] fp32, comb [...,hc,hc] fp32.
 
     `out` = (y, post, comb) preallocated (contiguous) to write into, e.g. inside a CUDA graph."""
     hc, D = h.shape[-2:]
-    parts = isinstance(mix, MixPartials)
-    N = (2 + hc) * hc
-    assert hc & (hc - 1) == 0 and (mix.parts.shape[-1] == N + 1 if parts else mix.shape[-1] == N)
+    assert hc & (hc - 1) == 0 and mix.shape[-1] == (2 + hc) * hc
     lead = h.shape[:-2]
     h3 = h.reshape(-1, hc, D)
     T = h3.shape[0]
-    m2 = mix.parts if parts else mix.reshape(T, -1).float()      # parts [C, T, N+1] / mix [T, N]
+    m2 = mix.reshape(T, -1).float()
     assert h3.stride(-1) == 1 and m2.stride(-1) == 1
     if out is None:
         y = torch.empty(T, D, dtype=h.dtype, device=h.device)
@@ -95,14 +69,10 @@ def mhc_pre(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, h: torch
         assert y.is_contiguous() and post.is_contiguous() and comb.is_contiguous()
     if T:
         block = triton.next_power_of_2(D)
-        C = m2.shape[0] if parts else 1
         _mhc_pre_kernel[(T,)](m2, scale.float().contiguous(), base.float().contiguous(), h3,
-                              norm_weight.contiguous(), y, post, comb, D, m2.stride(-2),
+                              norm_weight.contiguous(), y, post, comb, D, m2.stride(0),
                               h3.stride(0), h3.stride(1), D,
-                              hc_eps, norm_eps, C, m2.stride(0) if parts else 0, N,
-                              mix.K if parts else 1, mix.eps if parts else 0.0,
-                              HC=hc, ITERS=iters, BLOCK_D=block, PARTS=parts,
-                              BLOCK_C=triton.next_power_of_2(C),
+                              hc_eps, norm_eps, HC=hc, ITERS=iters, BLOCK_D=block,
                               num_warps=min(16, max(1, block // 512)), **pdl_args())
     if out is not None:
         return out
@@ -110,10 +80,7 @@ def mhc_pre(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, h: torch
 
 
 def mhc_pre_ref(mix, scale, base, h, norm_weight, iters, hc_eps, norm_eps, out=None):
-    """Torch reference: hc_pre's lines after its mix projection, then rms_norm (engine code).
-    mix: [...,(2+hc)*hc], or mhc_post's MixPartials of it."""
-    if isinstance(mix, MixPartials):
-        mix = mix.mix().view(*h.shape[:-2], -1)
+    """Torch reference: hc_pre's lines after its mix projection, then rms_norm (engine code)."""
     hc = h.shape[-2]
     pre = torch.sigmoid(mix[..., :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(mix[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])

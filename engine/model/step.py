@@ -38,38 +38,24 @@ def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) 
     bool, or one per row) adds every token of those rows, still in order: [L,V]."""
     ops, num = model.ops, model.numerics
     h = model.embed(inp.ids)[:, :, None, :].expand(-1, -1, model.cfg.hc_mult, -1).contiguous()   # [B,S,hc,D]
-    mix, layers = None, model.layers          # mix: the next sub-layer's mHC mix, made by mhc_post
-    for i, (layer, cache) in enumerate(zip(layers, caches)):
-        h, mix = block(layer, h, mix, layers[i + 1] if i + 1 < len(layers) else None, inp, cache, ops, num)
+    for layer, cache in zip(model.layers, caches):
+        h = block(layer, h, inp, cache, ops, num)
     if not inp.decode:
         return model.logits(h[0, inp.logit_tokens(all_logits)])                            # [L,V]
     return model.logits(h if all_logits else h[:, -1])
 
 
-def block(b: Block, h: torch.Tensor, mix, nxt: Block | None, inp: StepInputs, cache: LayerCache, ops: Ops,
-          num: Numerics):
-    """h [B,S,hc,D] (and its attention mix, or None) -> ([B,S,hc,D], the next block's attention
-    mix or None without one): attention, then MoE, each wrapped in mHC. Each mhc_post also makes
-    the mix of the streams it writes for the sub-layer after it (kernels/mhc_post.py says why)."""
-    x, post, comb = hc_pre(b, h, mix, "attn", ops)                           # x [B,S,D] normed
-    h, mix = hc_post(b, attention(b.attn, x, b.proj, inp, cache, ops, num), h, post, comb, "ffn", ops)
-    x, post, comb = hc_pre(b, h, mix, "ffn", ops)
-    return hc_post(nxt, moe(b.ffn, x, b.proj["ffn"], inp.ids, ops, num), h, post, comb, "attn", ops)
+def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Ops, num: Numerics) -> torch.Tensor:
+    """h [B,S,hc,D] -> [B,S,hc,D]: attention, then MoE, each wrapped in mHC."""
+    x, post, comb = hc_pre(b, h, "attn", ops)                                 # x [B,S,D] normed
+    h = ops.mhc_post(attention(b.attn, x, b.proj, inp, cache, ops, num), h, post, comb)
+    x, post, comb = hc_pre(b, h, "ffn", ops)
+    return ops.mhc_post(moe(b.ffn, x, b.proj["ffn"], inp.ids, ops, num), h, post, comb)
 
 
-def hc_post(nxt: Block | None, f: torch.Tensor, h: torch.Tensor, post, comb, name: str, ops: Ops):
-    """f [B,S,D] into the streams h -> (new streams [B,S,hc,D], the mix block `nxt`'s `name`
-    sub-layer reads of them, or None where no block follows)."""
-    if nxt is None:
-        return ops.mhc_post(f, h, post, comb), None
-    return ops.mhc_post(f, h, post, comb, mix=(*nxt.mix_weight(name), nxt.norm_eps))
-
-
-def hc_pre(b: Block, h: torch.Tensor, mix, name: str, ops: Ops):
-    """-> the sub-layer's normed input x [B,S,D], post [B,S,hc], comb [B,S,hc,hc] (fp32). mix:
-    the mix of h mhc_post made, or None: computed here (the first block)."""
-    if mix is None:
-        mix = ops.mhc_mix(h, *b.mix_weight(name), b.norm_eps)                   # [B,S,(2+hc)*hc] fp32
+def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops):
+    """-> the sub-layer's normed input x [B,S,D], post [B,S,hc], comb [B,S,hc,hc] (fp32)."""
+    mix = ops.mhc_mix(h, *b.mix_weight(name), b.norm_eps)                       # [B,S,(2+hc)*hc] fp32
     norm = b.attn_norm if name == "attn" else b.ffn_norm
     return ops.mhc_pre(mix, getattr(b, f"hc_{name}_scale"), getattr(b, f"hc_{name}_base"), h, norm.weight,
                        b.hc_iters, b.hc_eps, b.norm_eps)
