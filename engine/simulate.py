@@ -138,3 +138,32 @@ def check_packed(model: Transformer):
     left = realdims.unpacked_experts(model)
     if left and model.ops.uses("fused_moe"):
         raise RuntimeError(f"{len(left)} experts modules did not pack for the fused MoE kernel ({left[:3]} ...)")
+
+
+def add_args(p):
+    """The simulated-rank options of engine.serve and engine.generate (argparse)."""
+    import argparse
+
+    p.add_argument("--simulate-tp", type=int, default=None, metavar="N",
+                   help="serve one rank of a TP=N server alone: random weights in the real packed formats at "
+                        "--model's dims (config.json only, no weight read) or DeepSeek-V4-Flash's (engine.simulate)")
+    p.add_argument("--num-layers", type=int, default=None, metavar="K",
+                   help="with --simulate-tp: only the first K blocks (quick runs)")
+    p.add_argument("--simulate-collectives", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --simulate-tp: each all-reduce/all-gather costs its modelled device time (default on)")
+
+
+def check_args(p, args):
+    """Refuse bad combinations at parse time, with argparse's usage message."""
+    if args.simulate_tp is None:
+        if args.num_layers is not None:
+            p.error("--num-layers cuts a simulated model: it needs --simulate-tp")
+        return
+    try:
+        check_simulate_tp(args.simulate_tp)
+    except ValueError as e:
+        p.error(f"--simulate-tp: {e}")
+    if args.tp != 1:
+        p.error(f"--simulate-tp runs one rank in this process: drop --tp {args.tp}")
+    if args.num_layers is not None and args.num_layers < 1:
+        p.error(f"--num-layers must be >= 1, got {args.num_layers}")
