@@ -6,10 +6,11 @@
 One rank of TP=N is built in memory with random weights in the real formats (FP8 attention
 projections and shared expert; routed experts rounded onto the MXFP4 (or NVFP4) grid, so they
 pack for the fused MoE kernel as a checkpoint's do: any expert left on the torch fallback is an
-error), the collectives answered by a simulated process group (engine.parallel.state.init_simulated)
-and their cost added from a latency model. For each context and batch: step time eager and under a
-CUDA graph (median of CUDA-event timings after warm-up), tok/s, kernel launches per step (and per
-layer), bytes the step must read against the measured HBM bandwidth (roofline_ms, achieved_tbs),
+error), the collectives answered by a simulated process group (engine.parallel.state.init_simulated,
+its modelled delay off) and their cost added to the rows from engine/parallel/latency.py's model.
+The dims and grid rounding are engine/realdims.py's (engine.simulate builds its ranks from them).
+For each context and batch: step time eager and under a CUDA graph (median of CUDA-event
+timings after warm-up), tok/s, kernel launches per step (and per layer), bytes the step must read against the measured HBM bandwidth (roofline_ms, achieved_tbs),
 and a torch.profiler breakdown by kernel class of one eager step.
 
 --baseline DIR: DIR is a checkout of an older commit (`git worktree add /tmp/base c478b5a`). The

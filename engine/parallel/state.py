@@ -4,8 +4,8 @@ The model asks `tp_rank()` / `tp_size()` when it is built, to size its shards; t
 collectives in comm.py run on `group()`: a real process group (NCCL on GPUs, gloo on CPU,
 joined by `init`) or a `SimulatedGroup` (one rank posing as rank r of N, installed by
 `init_simulated`; engine.simulate and bench/decode.py run one rank that way). A CPU gloo
-group always exists beside a real one for the scheduler's step messages. tp_size() > 1 with no group at all is a
-misconfiguration: the collectives raise rather than skip.
+group always exists beside a real one for the scheduler's step messages. tp_size() > 1 with
+no group at all is a misconfiguration: the collectives raise rather than skip.
 """
 import datetime
 import os
