@@ -11,7 +11,8 @@ its modelled delay off) and their cost added to the rows from engine/parallel/la
 The dims and grid rounding are engine/realdims.py's (engine.simulate builds its ranks from them).
 For each context and batch: step time eager and under a CUDA graph (median of CUDA-event
 timings after warm-up), tok/s, kernel launches per step (and per layer), bytes the step must
-read against the measured HBM bandwidth (roofline_ms, achieved_tbs), and a torch.profiler breakdown by kernel class of one eager step.
+read against the measured HBM bandwidth (roofline_ms, achieved_tbs), and a torch.profiler
+breakdown by kernel class of one eager step.
 
 --baseline DIR: DIR is a checkout of an older commit (`git worktree add /tmp/base c478b5a`). The
 same measurement then runs first with DIR's engine in a subprocess (this script, with DIR first on

@@ -133,7 +133,8 @@ HEADER = (f"{'workload':>10} {'tokens':>7} {'TTFT ms':>9} {'tok/s':>9} {'steps':
 
 def format_row(r: dict) -> str:
     return (f"{r['workload']:>10} {r['tokens']:>7} {r['ttft_ms']:>9.1f} {r['tok_s']:>9.0f} {r['steps']:>5g} "
-            f"{r['ms_per_step']:>8.2f} {r['roofline_ms']:>11.2f} {r['roofline_tok_s']:>14.0f} {r['of_roofline']:>10.1%}")
+            f"{r['ms_per_step']:>8.2f} {r['roofline_ms']:>11.2f} {r['roofline_tok_s']:>14.0f} "
+            f"{r['of_roofline']:>10.1%}")
 
 
 def parse_args(argv=None):

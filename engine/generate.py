@@ -3,7 +3,8 @@
 Each input row is {"prompt": "..."} (or a list of token ids), or {"messages": [...]}
 (chat-encoded), optionally with per-row sampling fields ("max_tokens", "temperature", ...)
 and "thinking". --simulate-tp N runs one rank of a TP=N server on random weights
-(engine.simulate): throughput figures, not text. A malformed row is reported with its line number and skipped; the rest still runs.
+(engine.simulate): throughput figures, not text. A malformed row is reported with its
+line number and skipped; the rest still runs.
 """
 import argparse
 import dataclasses
