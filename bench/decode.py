@@ -6,11 +6,13 @@
 One rank of TP=N is built in memory with random weights in the real formats (FP8 attention
 projections and shared expert; routed experts rounded onto the MXFP4 (or NVFP4) grid, so they
 pack for the fused MoE kernel as a checkpoint's do: any expert left on the torch fallback is an
-error), the collectives answered by a simulated process group (engine.parallel.state.init_simulated)
-and their cost added from a latency model. For each context and batch: step time eager and under a
-CUDA graph (median of CUDA-event timings after warm-up), tok/s, kernel launches per step (and per
-layer), bytes the step must read against the measured HBM bandwidth (roofline_ms, achieved_tbs),
-and a torch.profiler breakdown by kernel class of one eager step.
+error), the collectives answered by a simulated process group (engine.parallel.state.init_simulated,
+its modelled delay off) and their cost added to the rows from engine/parallel/latency.py's model.
+The dims and grid rounding are engine/realdims.py's (engine.simulate builds its ranks from them).
+For each context and batch: step time eager and under a CUDA graph (median of CUDA-event
+timings after warm-up), tok/s, kernel launches per step (and per layer), bytes the step must
+read against the measured HBM bandwidth (roofline_ms, achieved_tbs), and a torch.profiler
+breakdown by kernel class of one eager step.
 
 --baseline DIR: DIR is a checkout of an older commit (`git worktree add /tmp/base c478b5a`). The
 same measurement then runs first with DIR's engine in a subprocess (this script, with DIR first on
@@ -19,7 +21,6 @@ rows print side by side, labelled by variant ("HEAD" and DIR's commit).
 """
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -35,7 +36,8 @@ sys.path[:0] = [str(TREE), str(HERE)]
 
 import torch  # noqa: E402
 
-from decode_grid import round_experts_mxfp4, round_experts_nvfp4, round_fp8_linears, unpacked_experts  # noqa: E402
+from decode_grid import (init_random, real_dict, round_experts_mxfp4, round_experts_nvfp4,  # noqa: E402
+                         round_fp8_linears, unpacked_experts)
 from decode_rows import classify, format_row, make_row, side_by_side, HEADER  # noqa: E402
 from timing import graphed  # noqa: E402
 
@@ -46,17 +48,6 @@ from engine.model.config import ModelConfig  # noqa: E402
 from engine.model import kv_cache  # noqa: E402
 from engine.model.model import Transformer  # noqa: E402
 from engine.parallel import state  # noqa: E402
-
-REAL = dict(vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
-            num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8,
-            o_lora_rank=1024, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=6, num_hash_layers=3,
-            routed_scaling_factor=1.5, swiglu_limit=10.0, sliding_window=128, index_n_heads=64, index_head_dim=128,
-            index_topk=512, hc_mult=4, hc_sinkhorn_iters=20, rope_theta=10000, compress_rope_theta=160000,
-            rope_scaling=dict(type="yarn", factor=16, original_max_position_embeddings=65536, beta_fast=32, beta_slow=1),
-            max_position_embeddings=1048576, num_nextn_predict_layers=0, expert_dtype="fp4",
-            quantization_config=dict(quant_method="fp8", fmt="e4m3", scale_fmt="ue8m0", weight_block_size=[128, 128]))
-RATIOS = [0, 0] + [4, 128] * 20 + [4]
-
 
 def measure_bandwidth() -> float:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -96,24 +87,13 @@ def simulate_rank(rank: int, tp: int):
 
 def build(layers: int, tp: int, experts: str = "mxfp4"):
     # nvfp4: W4A16 experts as NVIDIA's checkpoint declares them (no FP8 rounding of their inputs)
-    cfg = ModelConfig.from_dict({**REAL, "num_hidden_layers": layers, "compress_ratios": RATIOS[:layers],
-                                 "num_hash_layers": min(3, layers),
-                                 "expert_dtype": "nvfp4" if experts == "nvfp4" else "fp4"})
-    simulate_rank(0, tp)
+    cfg = ModelConfig.from_dict({**real_dict(layers), "expert_dtype": "nvfp4" if experts == "nvfp4" else "fp4"})
+    simulate_rank(0, tp)        # collectives answered at no cost: make_row adds their modelled cost
     with torch.device("meta"):
         model = Transformer(cfg, dtype=torch.bfloat16, with_mtp=False)
     model = model.to_empty(device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dtype.is_floating_point:
-                fan_in = p.shape[-1] if p.dim() > 1 else 1
-                p.normal_(0, 1 / math.sqrt(fan_in), generator=g)
-                if name.endswith(("norm.weight", "hc_attn_scale", "hc_ffn_scale", "hc_head_scale")):
-                    p.add_(1)
-        for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):
-                b.copy_(torch.randint(0, cfg.n_routed_experts, b.shape, device="cuda", generator=g))
+    init_random(model.named_parameters(), model.named_buffers(), g, cfg.n_routed_experts)
     from engine.model.rope import layer_inv_freq
 
     for layer in model.layers:   # rotary tables were built on meta: rebuild them

@@ -2,6 +2,8 @@
 rows (JSON) and the side-by-side table of variants (this tree vs a --baseline tree)."""
 import re
 
+from decode_grid import latency
+
 CLASSES = [("attention", r"sparse_mqa|_split_kernel|_combine_kernel|_naive"),
            ("indexer", r"_score_kernel|_topk_kernel|indexer"),
            ("moe", r"moe|_gate_up|_down"),
@@ -16,14 +18,10 @@ def classify(name: str) -> str:
     return "glue"
 
 
-def allreduce_us(batch: int, layers: int, tp: int, alpha_us=8.0, beta_gbs=150.0) -> float:
-    """Assumed NCCL all-reduce cost (no multi-GPU machine was lent to measure it): alpha + bytes/beta
-    per call, 2 per layer (attention, MoE) plus the embedding; bf16 [batch, 4096] messages."""
-    if tp == 1:
-        return 0.0
-    msg = batch * 4096 * 2
-    per = alpha_us + 2 * (tp - 1) / tp * msg / (beta_gbs * 1e3)
-    return (2 * layers + 1) * per
+def allreduce_us(batch: int, layers: int, tp: int, alpha_us=latency.ALPHA_US, beta_gbs=latency.BETA_GBS) -> float:
+    """Assumed NCCL all-reduce cost of one step (engine/parallel/latency.py's model): 2 calls per
+    layer (attention, MoE) plus the embedding, each a bf16 [batch, 4096] message."""
+    return (2 * layers + 1) * latency.all_reduce_us(batch * 4096 * 2, tp, alpha_us, beta_gbs)
 
 
 def make_row(*, ctx: int, batch: int, variant: str, kernel_set: str, layers: int, tp: int, eager_s: float,

@@ -5,6 +5,7 @@
                             [--input-len 1024] [--output-len 128] [--num-prompts N] [--warmup 2]
                             [--json results.json]
     python bench/serving.py --base-url http://host:8000 ...   # a server already running
+    python bench/serving.py --simulate-tp 8 --input-len 8192 --output-len 1024 ...   # one rank of TP=8
 
 Without --base-url it starts `python -m engine.serve` from this tree on a free port (no --model:
 the embedded tiny checkpoint; --max-num-seqs defaults to the largest concurrency, so no level
@@ -81,6 +82,9 @@ class Server:
         for flag, value in (("--model", args.model), ("--device", args.device)):
             if value is not None:
                 self.cmd += [flag, value]
+        for flag, value in (("--simulate-tp", args.simulate_tp), ("--num-layers", args.num_layers)):
+            if value is not None:
+                self.cmd += [flag, str(value)]
         self.cmd += ["--enforce-eager"] * args.enforce_eager + args.server_arg
         self.own_log = not args.server_log  # a temporary log goes once the run succeeded
         if args.server_log:
@@ -226,6 +230,7 @@ def run_info(args, base_url: str, card: dict, server: Server | None) -> dict:
             "device": device_name(args.device if server else None), "model": card["id"],
             "model_root": card.get("root"), "max_model_len": card["max_model_len"], "base_url": base_url,
             "server_cmd": " ".join(["python"] + server.cmd[1:]) if server else None,
+            "simulate_tp": args.simulate_tp, "num_layers": args.num_layers,
             "warmup": args.warmup, "seed": args.seed, "temperature": args.temperature, "ignore_eos": True}
 
 
@@ -236,6 +241,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="the started server's device (cuda, cuda:1, cpu)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="the started server's (default: largest concurrency)")
     p.add_argument("--enforce-eager", action="store_true", help="the started server runs without CUDA graphs")
+    p.add_argument("--simulate-tp", type=int, default=None, metavar="N",
+                   help="the started server serves one rank of TP=N on random weights at --model's dims (or "
+                        "DeepSeek-V4-Flash's): engine.serve --simulate-tp")
+    p.add_argument("--num-layers", type=int, default=None, metavar="K",
+                   help="with --simulate-tp: the started server keeps only the first K blocks")
     p.add_argument("--server-arg", action="append", default=[],
                    help="one more argument for engine.serve, repeated: --server-arg=--tp --server-arg=8")
     p.add_argument("--server-timeout", type=float, default=1800, help="seconds to wait for the server's /health")
@@ -254,6 +264,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if min(args.concurrency) < 1 or args.input_len < 1 or args.output_len < 1:
         p.error("concurrency levels, --input-len and --output-len must be >= 1")
+    if args.num_layers is not None and args.simulate_tp is None:
+        p.error("--num-layers cuts a simulated model: it needs --simulate-tp")
     args.max_num_seqs = args.max_num_seqs or max(args.concurrency)
     return args
 

@@ -1,8 +1,10 @@
 """python -m engine.generate: offline batch generation from a JSONL file.
 
-Each input row is {"prompt": "..."} or {"messages": [...]} (chat-encoded), optionally
-with per-row sampling fields ("max_tokens", "temperature", ...) and "thinking". A
-malformed row is reported with its line number and skipped; the rest still runs.
+Each input row is {"prompt": "..."} (or a list of token ids), or {"messages": [...]}
+(chat-encoded), optionally with per-row sampling fields ("max_tokens", "temperature", ...)
+and "thinking". --simulate-tp N runs one rank of a TP=N server on random weights
+(engine.simulate): throughput figures, not text. A malformed row is reported with its
+line number and skipped; the rest still runs.
 """
 import argparse
 import dataclasses
@@ -11,6 +13,7 @@ import logging
 import sys
 import time
 
+from . import simulate
 from .sampler import SamplingParams
 
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -39,9 +42,16 @@ def parse_args(argv=None):
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--thinking", action="store_true", help="chat rows: thinking mode")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    simulate.add_args(p)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before reading the previous one's tokens (default: on for CUDA at tp=1)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    simulate.check_args(p, args)
+    return args
+
+
+def _token_ids(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
 def read_rows(path, defaults: dict):
@@ -58,8 +68,8 @@ def read_rows(path, defaults: dict):
                 if ("prompt" in row) == ("messages" in row):
                     raise ValueError("a row needs exactly one of 'prompt' or 'messages'")
                 src = row.get("prompt", row.get("messages"))
-                if "prompt" in row and not (isinstance(src, str) and src):
-                    raise ValueError("'prompt' must be a non-empty string")
+                if "prompt" in row and not (isinstance(src, str) and src or _token_ids(src)):
+                    raise ValueError("'prompt' must be a non-empty string or list of token ids")
                 if "messages" in row and not (isinstance(src, list) and src):
                     raise ValueError("'messages' must be a non-empty list")
                 unknown = set(row) - _FIELDS - {"prompt", "messages", "thinking", "id"}
@@ -88,7 +98,8 @@ def main(argv=None):
 
     llm = LLM(args.model, tp=args.tp, device=args.device, max_num_seqs=args.max_num_seqs,
               enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, simulate_tp=args.simulate_tp, num_layers=args.num_layers,
+              simulate_collectives=args.simulate_collectives)
     prompts, params, kept = [], [], []
     for n, row, p in rows:
         try:
@@ -102,7 +113,10 @@ def main(argv=None):
             print(f"{args.input}:{n}: skipped: {e}", file=sys.stderr)
             errors.append((n, str(e)))
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True) if prompts else []
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=True) if prompts else []
+    finally:
+        llm.shutdown()   # the ranks (tp > 1) or the simulated rank's state
     dt = time.perf_counter() - t0
     with open(args.output, "w", encoding="utf-8") as f:
         for (n, row), out in zip(kept, outs):

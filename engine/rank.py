@@ -34,6 +34,13 @@ def build(path: str | Path, device: torch.device, dtype: torch.dtype, numerics: 
     (and the collectives inside them) meet bucket by bucket."""
     ModelConfig.from_file(path).check_tp(state.tp_size(), numerics)   # before reading any weight
     model = load_model(path, device=device, dtype=dtype, numerics=numerics).prepare_kernels()
+    return finish(model, device, dtype, max_num_seqs, max_model_len, num_blocks, graphs)
+
+
+def finish(model, device: torch.device, dtype: torch.dtype, max_num_seqs: int, max_model_len: int,
+           num_blocks: int, graphs: bool):
+    """A prepared model -> (model, cache, DecodeGraphs or None): the cache of num_blocks blocks and
+    the decode graphs (CUDA only, when graphs). A simulated rank (engine.simulate) joins here."""
     cache = KVCache(model.cfg, max_num_seqs, 0, device, dtype, num_blocks=num_blocks)
     decode_graphs = None
     if graphs and device.type == "cuda":

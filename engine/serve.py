@@ -2,6 +2,7 @@
 
     python -m engine.serve --model /path/to/DeepSeek-V4-Flash --port 8000
     python -m engine.serve            # the embedded tiny checkpoint (built on first use)
+    python -m engine.serve --simulate-tp 8   # one rank of TP=8 at V4-Flash's dims, random weights
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import os
 import sys
 
 import uvicorn
+
+from . import simulate
 
 log = logging.getLogger("engine.serve")
 
@@ -40,8 +43,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shutdown-timeout", type=float, default=5,
                    help="seconds SIGTERM waits for connections to close before cancelling them")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if present)")
+    simulate.add_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    simulate.check_args(p, args)
+    return args
 
 
 def main(argv=None) -> int:
@@ -51,13 +57,15 @@ def main(argv=None) -> int:
     from .server.app import build_app
     from .server.state import Limits
 
-    if args.model is None:
+    if args.model is None and args.simulate_tp is None:
         log.info("no --model given: using the embedded tiny checkpoint (building it if needed)")
     try:
-        model = args.model or default_model_dir()
+        model = args.model or (None if args.simulate_tp else default_model_dir())
         llm = LLM(model, tp=args.tp, device=args.device, max_num_seqs=args.max_num_seqs,
                   max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
-                  max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling)
+                  max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling,
+                  simulate_tp=args.simulate_tp, num_layers=args.num_layers,
+                  simulate_collectives=args.simulate_collectives)
     except (FileNotFoundError, NotImplementedError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 2
@@ -66,7 +74,8 @@ def main(argv=None) -> int:
     app = build_app(llm, args.served_model_name, api_key=args.api_key, limits=limits)
     name = app.state.server.model_name
     cache = llm.cache
-    log.info("model %s served as %r on %s, tp=%d, %s, %s numerics", llm.model_path, name, llm.device, args.tp,
+    log.info("model %s served as %r on %s, tp=%d%s, %s, %s numerics", llm.model_path, name, llm.device, args.tp,
+             f" (simulating one rank of tp={args.simulate_tp}: random weights)" if args.simulate_tp else "",
              str(llm.dtype).removeprefix("torch."), llm.numerics)
     usable = cache.num_blocks - 1  # block 0 is the cache's write sink
     log.info("KV cache: %d blocks x %d tokens = %d tokens; max_model_len %d, max_num_seqs %d, max_waiting %s",

@@ -3,15 +3,17 @@
 The model asks `tp_rank()` / `tp_size()` when it is built, to size its shards; the
 collectives in comm.py run on `group()`: a real process group (NCCL on GPUs, gloo on CPU,
 joined by `init`) or a `SimulatedGroup` (one rank posing as rank r of N, installed by
-`init_simulated`; bench/decode.py times one rank that way). A CPU gloo group always exists
-beside a real one for the scheduler's step messages. tp_size() > 1 with no group at all is a
-misconfiguration: the collectives raise rather than skip.
+`init_simulated`; engine.simulate and bench/decode.py run one rank that way). A CPU gloo
+group always exists beside a real one for the scheduler's step messages. tp_size() > 1 with
+no group at all is a misconfiguration: the collectives raise rather than skip.
 """
 import datetime
 import os
 
 import torch
 import torch.distributed as dist
+
+from . import latency
 
 _rank, _size = 0, 1
 _group = None       # the collectives' group (None: single process)
@@ -58,28 +60,71 @@ class SimulatedGroup:
     """A stand-in process group for one rank of `size` run alone: the model builds its shards
     and every collective returns a tensor of the right shape without talking to anyone.
     all_reduce returns x unchanged; all_gather_last repeats x once per rank. The numbers are
-    not the real model's (nothing is summed): it is for timing one rank and for shape tests."""
+    not the real model's (nothing is summed): it is for timing one rank and for shape tests.
 
-    def __init__(self, rank: int, size: int):
+    Every call is counted (`calls`) and its cost under parallel.latency's model summed
+    (`modelled_us`); a CUDA graph's calls count once, at capture. With `modelled` the cost is
+    also spent on the device: torch.cuda._sleep spins the stream for that many SM clock
+    cycles (a kernel, so CUDA graphs capture it), converted at a rate `calibrate` measures
+    before any capture. CPU tensors are never delayed. bench/decode.py leaves it off and adds
+    the cost to its rows analytically."""
+
+    def __init__(self, rank: int, size: int, modelled: bool = False):
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in [0, {size})")
-        self.rank, self.size = rank, size
+        self.rank, self.size, self.modelled = rank, size, modelled
+        self.calls = {"all_reduce": 0, "all_gather": 0}
+        self.modelled_us = 0.0
+        self.cycles_per_us = None   # the SM clock, measured by calibrate()
 
     def all_reduce(self, x):
+        self._spend("all_reduce", latency.all_reduce_us(x.numel() * x.element_size(), self.size), x)
         return x
 
     def all_gather_last(self, x):
-        return x.repeat(*([1] * (x.dim() - 1)), self.size)
+        out = x.repeat(*([1] * (x.dim() - 1)), self.size)
+        self._spend("all_gather", latency.all_gather_us(out.numel() * out.element_size(), self.size), x)
+        return out
+
+    def calibrate(self, device, cycles: int = 20_000_000) -> float:
+        """Measure the SM clock (cycles per us) that torch.cuda._sleep counts, by CUDA events
+        (median of 3 spins of `cycles`). Must run outside any graph capture."""
+        import statistics
+
+        with torch.cuda.device(device):
+            torch.cuda._sleep(1000)                    # the spin kernel loaded before timing
+            rates = []
+            for _ in range(3):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                torch.cuda._sleep(cycles)
+                b.record()
+                b.synchronize()
+                rates.append(cycles / (a.elapsed_time(b) * 1e3))
+        self.cycles_per_us = statistics.median(rates)
+        return self.cycles_per_us
+
+    def _spend(self, kind: str, us: float, x):
+        self.calls[kind] += 1
+        self.modelled_us += us
+        if not (self.modelled and x.is_cuda):
+            return
+        if self.cycles_per_us is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("SimulatedGroup: call calibrate(device) before capturing a graph")
+            self.calibrate(x.device)
+        torch.cuda._sleep(max(1, round(us * self.cycles_per_us)))
 
     def __repr__(self):
-        return f"SimulatedGroup(rank={self.rank}, size={self.size})"
+        return f"SimulatedGroup(rank={self.rank}, size={self.size}, modelled={self.modelled})"
 
 
-def init_simulated(rank: int, size: int) -> SimulatedGroup:
+def init_simulated(rank: int, size: int, modelled: bool = False) -> SimulatedGroup:
     """Pose as rank `rank` of `size` with a SimulatedGroup (no other process): shards are built
-    for that rank, collectives return right-shaped tensors. Undo with shutdown()."""
+    for that rank, collectives return right-shaped tensors (modelled: and cost device time, see
+    SimulatedGroup). Undo with shutdown()."""
     global _rank, _size, _group, _cpu_group
-    g = SimulatedGroup(rank, size)
+    g = SimulatedGroup(rank, size, modelled)
     _rank, _size, _group, _cpu_group = rank, size, g, None
     return g
 
