@@ -144,7 +144,8 @@ def parse_args(argv=None):
     ap.add_argument("--simulate-tp", type=int, default=None, help="the TP degree simulated (default 8; 2 on cpu)")
     ap.add_argument("--num-layers", type=int, default=None, help="only the first K blocks")
     ap.add_argument("--workloads", default="8192x1,1024x8", help="LENxCOUNT,...: COUNT prompts of LEN tokens")
-    ap.add_argument("--chunk-size", type=int, default=512, help="the most of one prompt per step (LLM's default)")
+    ap.add_argument("--chunk-size", default="512", help="the most of one prompt per step (LLM's default 512); "
+                                                       "a comma list runs each on the same engine")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step (LLM's default)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--collectives", action=argparse.BooleanOptionalAction, default=True,
@@ -157,6 +158,9 @@ def parse_args(argv=None):
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.simulate_tp = args.simulate_tp or (8 if args.device.type == "cuda" else 2)
     args.workloads = parse_workloads(args.workloads)
+    args.chunk_sizes = [int(c) for c in args.chunk_size.split(",")]
+    if min(args.chunk_sizes) < 1 or max(args.chunk_sizes) > args.max_num_batched_tokens:
+        ap.error("--chunk-size values must be in [1, --max-num-batched-tokens]")
     if args.reps < 1:
         ap.error("--reps must be >= 1")
     return args
@@ -166,7 +170,7 @@ def build(args, model_dir) -> LLM:
     longest = max(length for length, _ in args.workloads)
     return LLM(model_dir, device=args.device, simulate_tp=args.simulate_tp, num_layers=args.num_layers,
                simulate_collectives=args.collectives, max_num_seqs=max(c for _, c in args.workloads),
-               max_model_len=longest + 8, chunk_size=args.chunk_size,
+               max_model_len=longest + 8, chunk_size=args.chunk_sizes[0],
                max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=not args.graphs,
                skip_tokenizer_init=True)
 
@@ -192,19 +196,23 @@ def main(argv=None) -> int:
         name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
         print(f"{name}: one rank of tp={args.simulate_tp}, {cfg.n_layers} layers, dim {cfg.dim}, built in "
               f"{build_s:.1f} s; {active / 1e9:.3f} G active params per token on this rank; matmul peak "
-              f"{peak / 1e12:.1f} TFLOP/s; chunk {args.chunk_size}, {args.max_num_batched_tokens} tokens/step, "
+              f"{peak / 1e12:.1f} TFLOP/s; {args.max_num_batched_tokens} tokens/step, "
               f"collectives {'modelled' if args.collectives else 'free'}", flush=True)
         rng = random.Random(args.seed)
         rows = []
-        print(HEADER)
-        for length, count in args.workloads:
-            rows.append(measure(llm, length, count, args, rng, 2 * active, peak))
-            print(format_row(rows[-1]), flush=True)
+        for chunk in args.chunk_sizes:
+            # the scheduler reads chunk_size per step: the same engine (weights, compiled
+            # kernels) measures each chunk size
+            llm.engine.scheduler.chunk_size = chunk
+            print(f"chunk {chunk} tokens of one prompt per step\n{HEADER}")
+            for length, count in args.workloads:
+                rows.append(dict(chunk_size=chunk, **measure(llm, length, count, args, rng, 2 * active, peak)))
+                print(format_row(rows[-1]), flush=True)
     finally:
         llm.shutdown()
     if args.json:
         run = dict(device=name, simulate_tp=args.simulate_tp, layers=cfg.n_layers, dim=cfg.dim, model=args.model,
-                   build_s=build_s, active_params=active, peak_flops=peak, chunk_size=args.chunk_size,
+                   build_s=build_s, active_params=active, peak_flops=peak, chunk_sizes=args.chunk_sizes,
                    max_num_batched_tokens=args.max_num_batched_tokens, collectives=args.collectives,
                    numerics=llm.numerics, dtype=str(llm.dtype).removeprefix("torch."))
         Path(args.json).write_text(json.dumps(dict(run=run, rows=rows), indent=1) + "\n")
