@@ -5,6 +5,7 @@ from .cache import KVCache
 from .model.kv_cache import StepInputs
 from .sampler import Sampler, SamplerOutput, SamplingBatch
 from .sequence import Sequence
+from .staging import DecodeStaging
 
 
 class ModelRunner:
@@ -15,6 +16,7 @@ class ModelRunner:
         self.logits_hook = None  # tests: (seqs, logits) of the rows that sampled, before their tokens append (core)
         self.broadcast = None    # tensor parallel: sends each step to the other ranks first
         self.graphs = None       # engine.graphs.DecodeGraphs once captured
+        self.staging = None      # engine.staging.DecodeStaging over those graphs, made on first use
 
     # A step is described by a plain dict (host ints and lists) so that, under tensor
     # parallelism, rank 0 can send the same description to every rank (engine.rank).
@@ -40,11 +42,21 @@ class ModelRunner:
         return self.execute(_with_src(step, src), prev)
 
     def decode(self, seqs: list[Sequence], prev: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed each sequence's newest token, all in one call -> logits [B,V]."""
+        """Feed each sequence's newest token, all in one call -> logits [B,V]. With decode graphs
+        (and no other rank to send the step to), the inputs are staged straight into the graphs'
+        buffers (engine.staging), never built as a step dict."""
+        if self.graphs is not None and self.broadcast is None and self.graphs.bucket(len(seqs)) is not None:
+            if self.staging is None or self.staging.graphs is not self.graphs:
+                self.staging = DecodeStaging(self.graphs)
+            return self.graphs.replay(*self.staging.stage(seqs, prev))
+        return self.execute(self.decode_step(seqs), prev)
+
+    def decode_step(self, seqs: list[Sequence]) -> dict:
+        """The step description of a decode step (see prefill)."""
         step = {"ids": [[0 if s.pending else s.output_ids[-1]] for s in seqs],
                 "positions": [[s.num_total - 1] for s in seqs],
                 "slots": [s.slot for s in seqs], "blocks": [s.blocks for s in seqs], "starts": None, "reset": []}
-        return self.execute(_with_src(step, [s.pending_row if s.pending else -1 for s in seqs]), prev)
+        return _with_src(step, [s.pending_row if s.pending else -1 for s in seqs])
 
     def execute(self, step: dict, prev: torch.Tensor | None = None) -> torch.Tensor:
         if self.broadcast is not None:
