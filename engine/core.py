@@ -26,7 +26,7 @@ from .inflight import HostTokens, InFlight
 from .runner import ModelRunner
 from .sampler import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, Status
 
 
 @dataclass
@@ -203,16 +203,20 @@ class EngineCore:
         """Read a launched step's tokens and append them; rows of sequences that ended since
         it was launched are dropped."""
         got = step.read()
-        for seq in step.seqs:
+        live = []
+        for i, seq in enumerate(step.seqs):
             seq.pending -= 1
             if seq.pending == 0:
                 seq.pending_row = -1
-        live = [i for i, s in enumerate(step.seqs) if not s.finished]
+            if seq.status is not Status.FINISHED:
+                live.append(i)
         if self.runner.logits_hook is not None and live:
             self.runner.logits_hook([step.seqs[i] for i in live], step.logits[live])
+        self.stats["generation_tokens"] += len(live)
         for i in live:
-            self._append(step.seqs[i], got, i)
-            touched.add(step.seqs[i].request_id)
+            seq = step.seqs[i]
+            self._append(seq, got, i)
+            touched.add(seq.request_id)
 
     def _forward(self, plan, prev: torch.Tensor | None) -> torch.Tensor:
         """The plan's one model call -> logits of each row's last token [rows,V] (decode rows
@@ -248,7 +252,6 @@ class EngineCore:
         tok = got.token_ids[row]
         p = seq.params
         seq.output_ids.append(tok)
-        self.stats["generation_tokens"] += 1
         if p.logprobs is not None:
             lp = {tok: got.logprobs[row]}
             if p.logprobs:  # logprobs=0: the chosen token only (the sampler then returns no top-k)
@@ -267,8 +270,9 @@ class EngineCore:
                 cut = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
                 if cut >= 0:
                     seq.text, reason = seq.text[:cut], "stop"
-        if reason is None and (p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens
-                               or seq.num_tokens >= self.max_model_len):
+        n_out = len(seq.output_ids)
+        if reason is None and (p.max_tokens is not None and n_out >= p.max_tokens
+                               or len(seq.prompt_ids) + n_out >= self.max_model_len):
             reason = "length"
         if reason is not None:
             if reason == "length" and seq.detok is not None:
@@ -276,13 +280,15 @@ class EngineCore:
             self.scheduler.finish(seq, reason)
 
     def _output(self, req: _Request) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, list(s.output_ids), s.finish_reason,
-                                 list(s.logprobs) if s.params.logprobs is not None else None) for s in req.seqs]
+        seqs = req.seqs
+        outs = [CompletionOutput(s.index, s.text, s.output_ids[:], s.finish_reason,
+                                 s.logprobs[:] if s.params.logprobs is not None else None) for s in seqs]
         metrics = {"arrival": req.arrival, "first_token": req.first_token_time}
-        first = req.seqs[0]
+        first = seqs[0]
         plp = list(first.prompt_logprobs) if first.prompt_logprobs is not None else None
         ranks = list(first.prompt_ranks) if first.prompt_ranks is not None else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, metrics, plp, ranks)
+        finished = first.finished if len(seqs) == 1 else req.finished
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, metrics, plp, ranks)
 
     def num_running(self) -> int:
         return len(self.scheduler.running)

@@ -69,10 +69,14 @@ class ModelRunner:
         """One sampler call for these rows. A row's pending token (in prev) counts as generated:
         in the seed's step counter and min_tokens, and, added on the device, in the penalties'
         counts, so that the tokens are exactly the synchronous path's."""
+        steps = [len(s.output_ids) + s.pending for s in seqs]
+        if all(s.params.argmax_only(n) for s, n in zip(seqs, steps)):
+            # a greedy batch asking nothing else: one argmax, no batch tensors to build and copy
+            # (on the raw logits: a float cast is exact and keeps every tie, so the same ids)
+            return SamplerOutput(token_ids=logits.argmax(dim=-1))
         batch = SamplingBatch.build([s.params for s in seqs], [s.output_ids for s in seqs],
                                     [s.prompt_ids for s in seqs], vocab_size=self.vocab_size,
-                                    device=self.device, eos_token_ids=[self.eos],
-                                    steps=[len(s.output_ids) + s.pending for s in seqs])
+                                    device=self.device, eos_token_ids=[self.eos], steps=steps)
         rows = [i for i, s in enumerate(seqs) if s.pending]
         if rows and (batch.output_counts is not None or batch.seen_mask is not None):
             src = _to(self.device, [seqs[i].pending_row for i in rows])

@@ -101,6 +101,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
+    def argmax_only(self, step: int) -> bool:
+        """Whether this row's token, `step` tokens into its output, is the plain argmax of the
+        raw logits and nothing else is asked of the sampler: greedy, no penalty, no min_tokens
+        ban, no logprobs (top-k/p, min-p and seeds change nothing for a greedy row)."""
+        return (self.temperature < GREEDY_EPS and self.logprobs is None and step >= self.min_tokens
+                and not self.presence_penalty and not self.frequency_penalty and self.repetition_penalty == 1.0)
+
     def for_child(self, index: int) -> "SamplingParams":
         """Params for the index-th of n parallel samples: n=1, and a distinct
         seed so seeded children do not all produce the same text."""
