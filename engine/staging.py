@@ -9,8 +9,9 @@ rewritten only where its sequence or its block count changed since the buffer la
 (a sequence's blocks only grow in place; a release gives it a new list).
 
 Async scheduling: a row whose token is pending (Sequence.pending) gets it from `prev`, the
-in-flight step's sampled ids, by two device ops (a gather and an index_copy_ into the static
-ids), as step_inputs' where-gather, with nothing waiting on the host.
+in-flight step's sampled ids, by one copy where every row's token sits in its own row of prev
+(the batch did not change), else by a gather and an index_copy_ into the static ids: as
+step_inputs' where-gather, with nothing waiting on the host.
 
 Two host buffers take turns: a buffer is rewritten two decode steps later, when the host has
 read the tokens of the step that used it, so its copy has run (every decode step samples and is
@@ -65,14 +66,17 @@ class DecodeStaging:
         if buf.event is not None:
             buf.event.synchronize()   # recorded two decode steps ago, whose tokens have been read: done
         ids, positions, slots, pend_rows, pend_src = [], [], [], [], []
+        aligned = True   # every row's token pending in the same row of prev (an unchanged batch)
         for i, s in enumerate(seqs):
             if s.pending:
                 ids.append(0)
                 pend_rows.append(i)
                 pend_src.append(s.pending_row)
+                aligned = aligned and s.pending_row == i
             else:
                 ids.append(s.output_ids[-1])
-            positions.append(s.num_total - 1)
+                aligned = False
+            positions.append(s.num_computed)       # a decode row: all but its newest token cached
             slots.append(s.slot)
             if buf.owner[i] is not s.blocks or buf.held[i] != len(s.blocks):
                 buf.table_row(i, s.blocks)
@@ -91,6 +95,10 @@ class DecodeStaging:
         if k:   # pending tokens: gathered from the previous step's sampled ids, on the device
             if prev is None:
                 raise RuntimeError("a step with pending tokens needs the previous step's sampled ids")
-            spare = self.graphs.spare
-            self.graphs.static.ids.view(-1).index_copy_(0, spare[:k], prev.index_select(0, spare[self.B:self.B + k]))
+            static_ids = self.graphs.static.ids.view(-1)
+            if aligned:   # the steady state: one copy, not a gather and a scatter
+                static_ids[:n].copy_(prev[:n])
+            else:
+                spare = self.graphs.spare
+                static_ids.index_copy_(0, spare[:k], prev.index_select(0, spare[self.B:self.B + k]))
         return b, n

@@ -44,7 +44,7 @@ def test_staged_inputs_equal_step_inputs(tiny_ckpt, overlap):
     llm = _small(tiny_ckpt, 5)   # a pool too small for every sequence: preemption
     eng, runner = llm.engine, llm.engine.runner
     graphs, checked = _with_graphs(llm)
-    expected = []
+    expected, kinds = [], set()
 
     def decode(seqs, prev=None):
         step = runner.decode_step(seqs)
@@ -52,6 +52,7 @@ def test_staged_inputs_equal_step_inputs(tiny_ckpt, overlap):
         want = step_inputs(step, "cpu", eng.cache.block_tokens, rows=b, width=graphs.max_blocks,
                            pad_slot=eng.cache.pad_slot, prev=prev)
         expected.append((want.ids, want.positions, want.slots, want.block_table))
+        kinds.add(all(s.pending and s.pending_row == i for i, s in enumerate(seqs)) if prev is not None else None)
         return orig(seqs, prev)
     orig, runner.decode = runner.decode, decode
     preempted = []
@@ -67,6 +68,8 @@ def test_staged_inputs_equal_step_inputs(tiny_ckpt, overlap):
         eng.step()
     assert preempted, "the pool never ran out: the test does not exercise preemption"
     assert len(checked) == len(expected) > 30
+    if overlap:   # both ways of feeding pending tokens: one copy (an unchanged batch), a gather
+        assert {True, False} <= kinds
     for got, want in zip(checked, expected):
         for g, w in zip(got, want):
             assert torch.equal(g, w)
