@@ -280,14 +280,13 @@ class EngineCore:
             self.scheduler.finish(seq, reason)
 
     def _output(self, req: _Request) -> RequestOutput:
-        seqs = req.seqs
-        outs = [CompletionOutput(s.index, s.text, s.output_ids[:], s.finish_reason,
-                                 s.logprobs[:] if s.params.logprobs is not None else None) for s in seqs]
+        seqs = req.seqs   # (every request, every step it advances: the common n == 1 without a loop)
+        outs = [_completion(seqs[0])] if len(seqs) == 1 else [_completion(s) for s in seqs]
         metrics = {"arrival": req.arrival, "first_token": req.first_token_time}
         first = seqs[0]
         plp = list(first.prompt_logprobs) if first.prompt_logprobs is not None else None
         ranks = list(first.prompt_ranks) if first.prompt_ranks is not None else None
-        finished = first.finished if len(seqs) == 1 else req.finished
+        finished = first.status is Status.FINISHED if len(seqs) == 1 else req.finished
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, metrics, plp, ranks)
 
     def num_running(self) -> int:
@@ -295,6 +294,11 @@ class EngineCore:
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+
+def _completion(s: Sequence) -> CompletionOutput:
+    return CompletionOutput(s.index, s.text, s.output_ids[:], s.finish_reason,
+                            s.logprobs[:] if s.params.logprobs is not None else None)
 
 
 def _take(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
