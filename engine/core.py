@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import KVCache
-from .inflight import HostTokens, InFlight
+from .inflight import HostBuffers, HostTokens, InFlight
 from .runner import ModelRunner
 from .sampler import SamplingParams
 from .scheduler import Scheduler
@@ -90,6 +90,7 @@ class EngineCore:
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.async_scheduling = async_scheduling
         self.inflight: InFlight | None = None   # the launched step whose tokens the host has not read
+        self.host = HostBuffers(cache.device)   # where launched steps' tokens are copied to, reused
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(cache, max_num_seqs, max_model_len, chunk_size, max_waiting, max_num_batched_tokens)
         self.runner = ModelRunner(model, cache, cache.device)
@@ -197,7 +198,7 @@ class EngineCore:
         out = self.runner.sample(seqs, logits, prev)
         for i, seq in enumerate(seqs):
             seq.pending, seq.pending_row = seq.pending + 1, i
-        return InFlight(seqs, out, logits.clone() if self.runner.logits_hook is not None else None)
+        return InFlight(seqs, out, logits.clone() if self.runner.logits_hook is not None else None, self.host)
 
     def _read(self, step: InFlight, touched: set[str]):
         """Read a launched step's tokens and append them; rows of sequences that ended since
