@@ -63,18 +63,28 @@ class Scheduler:
                                       len(plan.decode) < len(self.running))
         return plan
 
-    def _capped(self, seq: Sequence) -> bool:
-        """Its pending token ends it by length once the host reads it: no step for it now."""
-        n, p, n_out = seq.pending, seq.params, len(seq.output_ids)
-        return n > 0 and (p.max_tokens is not None and n_out + n >= p.max_tokens
-                          or len(seq.prompt_ids) + n_out + n >= self.max_model_len)
+    def _decoders(self) -> tuple[list[Sequence], list[int]]:
+        """The running sequences that decode this step, and the blocks each still needs for its
+        next token. A sequence decodes when all but its newest token (maybe pending) are cached
+        (Sequence.in_decode) and it is not capped: its pending token ends it by length once the
+        host reads it, so it gets no step now. One pass with the lengths inline: it runs over
+        every row every step."""
+        decoders, needs, need_for, max_len = [], [], self.cache.blocks_needed, self.max_model_len
+        for s in self.running:
+            n_out, n = len(s.output_ids), s.pending
+            total = len(s.prompt_ids) + n_out + n
+            if s.status is not Status.RUNNING or s.num_computed != total - 1 or not (n_out or n):
+                continue   # not in decode
+            if n and (s.params.max_tokens is not None and n_out + n >= s.params.max_tokens or total >= max_len):
+                continue   # capped
+            decoders.append(s)
+            needs.append(need_for(total) - len(s.blocks))
+        return decoders, needs
 
     def _grow_decoders(self, plan: Plan) -> list[Sequence]:
         """Every decoding sequence needs blocks for one more token; preempt until they fit ->
         the sequences that decode this step, in running order."""
-        decoders = [s for s in self.running if s.in_decode and not (s.pending and self._capped(s))]
-        need_for = self.cache.blocks_needed
-        needs = [need_for(len(s.prompt_ids) + len(s.output_ids) + s.pending) - len(s.blocks) for s in decoders]
+        decoders, needs = self._decoders()
         if self.cache.can_allocate(sum(n for n in needs if n > 0)):   # room for all (the common case): no sort
             for seq, need in zip(decoders, needs):
                 if need > 0:
