@@ -11,7 +11,7 @@ are timed, each mode on the same engine:
 
   step_ms    wall time per step.step() call, end to end (median; mean_ms: the window's total
              over steps, a synchronize at its end): what a decoding sequence waits per token.
-  device_ms  the model call's device time (runner.execute: the input copy and the CUDA-graph
+  device_ms  the model call's device time (runner.decode: the input copy and the CUDA-graph
              replay), median of CUDA-event pairs around it; on the CPU, its wall time.
   exposed_ms step_ms - device_ms: host time the device waits for (scheduling, inputs, the
              sampler's launches and its device time, reading tokens, detokenizing, stop checks).
@@ -42,13 +42,15 @@ from engine import inflight  # noqa: E402
 
 
 class Probe:
-    """Times the model calls (runner.execute) and the host's waits on sampled tokens."""
+    """Times the model calls (runner.decode, runner.prefill: the inputs' copies and the model or
+    its graph's replay) and the host's waits on sampled tokens."""
 
     def __init__(self, llm):
         self.runner, self.cuda = llm.engine.runner, llm.device.type == "cuda"
-        self.execute, self.read = self.runner.execute, inflight.InFlight.read
+        self.decode, self.prefill, self.read = self.runner.decode, self.runner.prefill, inflight.InFlight.read
         self.calls, self.waits, self.prefills = [], [], 0
-        self.runner.execute = self._execute
+        self.runner.decode = lambda seqs, prev=None: self._timed(self.decode, seqs, prev)
+        self.runner.prefill = self._prefill
         probe = self
 
         def read(step):
@@ -58,16 +60,19 @@ class Probe:
             return out
         inflight.InFlight.read = read
 
-    def _execute(self, step, prev=None):
-        self.prefills += step["starts"] is not None
+    def _prefill(self, *args, **kwargs):
+        self.prefills += 1
+        return self._timed(self.prefill, *args, **kwargs)
+
+    def _timed(self, call, *args, **kwargs):
         if not self.cuda:
             t0 = time.perf_counter()
-            out = self.execute(step, prev)
+            out = call(*args, **kwargs)
             self.calls.append(time.perf_counter() - t0)
             return out
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        out = self.execute(step, prev)
+        out = call(*args, **kwargs)
         b.record()
         self.calls.append((a, b))
         return out
@@ -82,7 +87,7 @@ class Probe:
         return statistics.median(a.elapsed_time(b) for a, b in self.calls)
 
     def close(self):
-        self.runner.execute, inflight.InFlight.read = self.execute, self.read
+        self.runner.decode, self.runner.prefill, inflight.InFlight.read = self.decode, self.prefill, self.read
 
 
 def sync(llm):

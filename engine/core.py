@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import KVCache
-from .inflight import HostTokens, InFlight
+from .inflight import HostBuffers, HostTokens, InFlight
 from .runner import ModelRunner
 from .sampler import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, Status
 
 
 @dataclass
@@ -90,6 +90,7 @@ class EngineCore:
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.async_scheduling = async_scheduling
         self.inflight: InFlight | None = None   # the launched step whose tokens the host has not read
+        self.host = HostBuffers(cache.device)   # where launched steps' tokens are copied to, reused
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(cache, max_num_seqs, max_model_len, chunk_size, max_waiting, max_num_batched_tokens)
         self.runner = ModelRunner(model, cache, cache.device)
@@ -197,22 +198,26 @@ class EngineCore:
         out = self.runner.sample(seqs, logits, prev)
         for i, seq in enumerate(seqs):
             seq.pending, seq.pending_row = seq.pending + 1, i
-        return InFlight(seqs, out, logits.clone() if self.runner.logits_hook is not None else None)
+        return InFlight(seqs, out, logits.clone() if self.runner.logits_hook is not None else None, self.host)
 
     def _read(self, step: InFlight, touched: set[str]):
         """Read a launched step's tokens and append them; rows of sequences that ended since
         it was launched are dropped."""
         got = step.read()
-        for seq in step.seqs:
+        live = []
+        for i, seq in enumerate(step.seqs):
             seq.pending -= 1
             if seq.pending == 0:
                 seq.pending_row = -1
-        live = [i for i, s in enumerate(step.seqs) if not s.finished]
+            if seq.status is not Status.FINISHED:
+                live.append(i)
         if self.runner.logits_hook is not None and live:
             self.runner.logits_hook([step.seqs[i] for i in live], step.logits[live])
+        self.stats["generation_tokens"] += len(live)
         for i in live:
-            self._append(step.seqs[i], got, i)
-            touched.add(step.seqs[i].request_id)
+            seq = step.seqs[i]
+            self._append(seq, got, i)
+            touched.add(seq.request_id)
 
     def _forward(self, plan, prev: torch.Tensor | None) -> torch.Tensor:
         """The plan's one model call -> logits of each row's last token [rows,V] (decode rows
@@ -248,7 +253,6 @@ class EngineCore:
         tok = got.token_ids[row]
         p = seq.params
         seq.output_ids.append(tok)
-        self.stats["generation_tokens"] += 1
         if p.logprobs is not None:
             lp = {tok: got.logprobs[row]}
             if p.logprobs:  # logprobs=0: the chosen token only (the sampler then returns no top-k)
@@ -267,8 +271,9 @@ class EngineCore:
                 cut = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
                 if cut >= 0:
                     seq.text, reason = seq.text[:cut], "stop"
-        if reason is None and (p.max_tokens is not None and len(seq.output_ids) >= p.max_tokens
-                               or seq.num_tokens >= self.max_model_len):
+        n_out = len(seq.output_ids)
+        if reason is None and (p.max_tokens is not None and n_out >= p.max_tokens
+                               or len(seq.prompt_ids) + n_out >= self.max_model_len):
             reason = "length"
         if reason is not None:
             if reason == "length" and seq.detok is not None:
@@ -276,19 +281,25 @@ class EngineCore:
             self.scheduler.finish(seq, reason)
 
     def _output(self, req: _Request) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, list(s.output_ids), s.finish_reason,
-                                 list(s.logprobs) if s.params.logprobs is not None else None) for s in req.seqs]
+        seqs = req.seqs   # (every request, every step it advances: the common n == 1 without a loop)
+        outs = [_completion(seqs[0])] if len(seqs) == 1 else [_completion(s) for s in seqs]
         metrics = {"arrival": req.arrival, "first_token": req.first_token_time}
-        first = req.seqs[0]
+        first = seqs[0]
         plp = list(first.prompt_logprobs) if first.prompt_logprobs is not None else None
         ranks = list(first.prompt_ranks) if first.prompt_ranks is not None else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, metrics, plp, ranks)
+        finished = first.status is Status.FINISHED if len(seqs) == 1 else req.finished
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, metrics, plp, ranks)
 
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+
+def _completion(s: Sequence) -> CompletionOutput:
+    return CompletionOutput(s.index, s.text, s.output_ids[:], s.finish_reason,
+                            s.logprobs[:] if s.params.logprobs is not None else None)
 
 
 def _take(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -27,12 +27,15 @@ class DecodeGraphs:
             self.buckets.append(max_num_seqs)
         dev, B = cache.device, self.buckets[-1]
         self.max_blocks = cache.blocks_needed(max_model_len)
-        # the static inputs every graph reads: all rows padding until a step copies its own in
-        self.static = StepInputs(ids=torch.zeros(B, 1, dtype=torch.long, device=dev),
-                                 positions=torch.zeros(B, 1, dtype=torch.long, device=dev),
-                                 slots=torch.full((B,), pad_slot, dtype=torch.long, device=dev),
-                                 block_table=torch.zeros(B, self.max_blocks, dtype=torch.long, device=dev),
-                                 block_tokens=cache.block_tokens, max_len=max_model_len)
+        # the static inputs every graph reads, views of one flat buffer (engine.staging copies a
+        # decode step's inputs in with one host-to-device copy): [ids B | positions B | slots B |
+        # spare 2B (the staged pending-token rows, not read by the graphs) | block table B*W]
+        W = self.max_blocks
+        self.flat = torch.zeros(5 * B + B * W, dtype=torch.long, device=dev)
+        ids, positions, slots, self.spare, table = self.flat.split((B, B, B, 2 * B, B * W))
+        slots.fill_(pad_slot)     # all rows padding until a step copies its own in
+        self.static = StepInputs(ids=ids.view(B, 1), positions=positions.view(B, 1), slots=slots,
+                                 block_table=table.view(B, W), block_tokens=cache.block_tokens, max_len=max_model_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -75,14 +78,17 @@ class DecodeGraphs:
 
     def run(self, inp: StepInputs) -> torch.Tensor:
         """A decode step's inputs, padded to a bucket (engine.runner.step_inputs) -> logits [n, V]."""
-        if self.graphs and (self.model.ops is not self.ops or self.model.numerics != self.numerics):
-            raise RuntimeError("the model's kernel set or numerics changed after its decode graphs were captured: "
-                               "capture() again")
-        b, n = inp.ids.shape[0], inp.n
-        s = self.static
+        b, s = inp.ids.shape[0], self.static
         for dst, src in ((s.ids, inp.ids), (s.positions, inp.positions), (s.slots, inp.slots),
                          (s.block_table, inp.block_table)):
             dst[:b].copy_(src)
+        return self.replay(b, inp.n)
+
+    def replay(self, b: int, n: int) -> torch.Tensor:
+        """Run bucket b on the static inputs as they are (the first n rows real) -> logits [n, V]."""
+        if self.graphs and (self.model.ops is not self.ops or self.model.numerics != self.numerics):
+            raise RuntimeError("the model's kernel set or numerics changed after its decode graphs were captured: "
+                               "capture() again")
         if b not in self.graphs:   # not captured: the same padded batch, eagerly (what replay must equal)
             return self.model.forward_step(self._inputs(b), self.cache.layers)[:n]
         self.graphs[b].replay()

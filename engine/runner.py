@@ -5,6 +5,7 @@ from .cache import KVCache
 from .model.kv_cache import StepInputs
 from .sampler import Sampler, SamplerOutput, SamplingBatch
 from .sequence import Sequence
+from .staging import DecodeStaging
 
 
 class ModelRunner:
@@ -15,6 +16,7 @@ class ModelRunner:
         self.logits_hook = None  # tests: (seqs, logits) of the rows that sampled, before their tokens append (core)
         self.broadcast = None    # tensor parallel: sends each step to the other ranks first
         self.graphs = None       # engine.graphs.DecodeGraphs once captured
+        self.staging = None      # engine.staging.DecodeStaging over those graphs, made on first use
 
     # A step is described by a plain dict (host ints and lists) so that, under tensor
     # parallelism, rank 0 can send the same description to every rank (engine.rank).
@@ -40,11 +42,21 @@ class ModelRunner:
         return self.execute(_with_src(step, src), prev)
 
     def decode(self, seqs: list[Sequence], prev: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed each sequence's newest token, all in one call -> logits [B,V]."""
+        """Feed each sequence's newest token, all in one call -> logits [B,V]. With decode graphs
+        (and no other rank to send the step to), the inputs are staged straight into the graphs'
+        buffers (engine.staging), never built as a step dict."""
+        if self.graphs is not None and self.broadcast is None and self.graphs.bucket(len(seqs)) is not None:
+            if self.staging is None or self.staging.graphs is not self.graphs:
+                self.staging = DecodeStaging(self.graphs)
+            return self.graphs.replay(*self.staging.stage(seqs, prev))
+        return self.execute(self.decode_step(seqs), prev)
+
+    def decode_step(self, seqs: list[Sequence]) -> dict:
+        """The step description of a decode step (see prefill)."""
         step = {"ids": [[0 if s.pending else s.output_ids[-1]] for s in seqs],
                 "positions": [[s.num_total - 1] for s in seqs],
                 "slots": [s.slot for s in seqs], "blocks": [s.blocks for s in seqs], "starts": None, "reset": []}
-        return self.execute(_with_src(step, [s.pending_row if s.pending else -1 for s in seqs]), prev)
+        return _with_src(step, [s.pending_row if s.pending else -1 for s in seqs])
 
     def execute(self, step: dict, prev: torch.Tensor | None = None) -> torch.Tensor:
         if self.broadcast is not None:
@@ -57,10 +69,14 @@ class ModelRunner:
         """One sampler call for these rows. A row's pending token (in prev) counts as generated:
         in the seed's step counter and min_tokens, and, added on the device, in the penalties'
         counts, so that the tokens are exactly the synchronous path's."""
+        steps = [len(s.output_ids) + s.pending for s in seqs]
+        if all(s.params.argmax_only(n) for s, n in zip(seqs, steps)):
+            # a greedy batch asking nothing else: one argmax, no batch tensors to build and copy
+            # (on the raw logits: a float cast is exact and keeps every tie, so the same ids)
+            return SamplerOutput(token_ids=logits.argmax(dim=-1))
         batch = SamplingBatch.build([s.params for s in seqs], [s.output_ids for s in seqs],
                                     [s.prompt_ids for s in seqs], vocab_size=self.vocab_size,
-                                    device=self.device, eos_token_ids=[self.eos],
-                                    steps=[len(s.output_ids) + s.pending for s in seqs])
+                                    device=self.device, eos_token_ids=[self.eos], steps=steps)
         rows = [i for i, s in enumerate(seqs) if s.pending]
         if rows and (batch.output_counts is not None or batch.seen_mask is not None):
             src = _to(self.device, [seqs[i].pending_row for i in rows])

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Sequence
 
+import numpy as np
 import torch
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by
@@ -101,6 +102,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
+    def argmax_only(self, step: int) -> bool:
+        """Whether this row's token, `step` tokens into its output, is the plain argmax of the
+        raw logits and nothing else is asked of the sampler: greedy, no penalty, no min_tokens
+        ban, no logprobs (top-k/p, min-p and seeds change nothing for a greedy row)."""
+        return (self.temperature < GREEDY_EPS and self.logprobs is None and step >= self.min_tokens
+                and not self.presence_penalty and not self.frequency_penalty and self.repetition_penalty == 1.0)
+
     def for_child(self, index: int) -> "SamplingParams":
         """Params for the index-th of n parallel samples: n=1, and a distinct
         seed so seeded children do not all produce the same text."""
@@ -163,8 +171,8 @@ class SamplingBatch:
         if steps is None:
             steps = [len(o) for o in output_token_ids_list]
 
-        def vec(values, dtype):   # non_blocking: pageable memory is staged at once, and nothing waits for the device
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        pack = _Pack()
+        vec = pack.add   # every per-row vector goes to the device in one copy (each its own costs host time)
 
         P = params_list
         greedy = [p.greedy for p in P]
@@ -198,7 +206,7 @@ class SamplingBatch:
                 ban_rows += [i] * len(stops)
 
         wants = [p.logprobs for p in P if p.logprobs is not None]
-        return cls(
+        return cls(**pack.send(device, dict(
             temperature=vec(temperature, torch.float32),
             greedy=vec(greedy, torch.bool),
             all_greedy=all(greedy),
@@ -221,7 +229,7 @@ class SamplingBatch:
             ban_tokens=vec(ban_tokens, torch.int64) if ban_rows else None,
             max_num_logprobs=max(wants) if wants else None,
             vocab_size=V,
-        )
+        )))
 
 
     def count_tokens(self, rows: torch.Tensor, tokens: torch.Tensor):
@@ -233,6 +241,40 @@ class SamplingBatch:
             self.output_counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         if self.seen_mask is not None:
             self.seen_mask.view(-1).scatter_(0, flat, True)
+
+
+_NUMPY = {torch.float32: np.float32, torch.int64: np.int64, torch.bool: np.bool_}
+
+
+class _Slot(int):
+    """A vector's place in a _Pack, standing in for its device tensor until the pack is sent."""
+
+
+class _Pack:
+    """Per-row host vectors (any dtypes) sent to the device in one host-to-device copy: packed,
+    each 8-byte aligned, into one byte buffer, then viewed back as their dtypes on the device."""
+
+    def __init__(self):
+        self.parts: list[tuple[int, np.ndarray, torch.dtype]] = []
+        self.size = 0
+
+    def add(self, values, dtype: torch.dtype) -> _Slot:
+        a = np.asarray(values, dtype=_NUMPY[dtype])
+        self.parts.append((self.size, a, dtype))
+        self.size += -(-a.nbytes // 8) * 8
+        return _Slot(len(self.parts) - 1)
+
+    def send(self, device, fields: dict) -> dict:
+        """fields with each _Slot replaced by its device tensor."""
+        if not self.parts:
+            return fields
+        buf = np.zeros(self.size, dtype=np.uint8)
+        for off, a, _ in self.parts:
+            buf[off:off + a.nbytes] = a.view(np.uint8)
+        # non_blocking: pageable memory is staged at once, and nothing waits for the device
+        dev = torch.from_numpy(buf).to(device, non_blocking=True)
+        got = [dev[off:off + a.nbytes].view(dtype) for off, a, dtype in self.parts]
+        return {k: got[v] if isinstance(v, _Slot) else v for k, v in fields.items()}
 
 
 def _token_counts(token_lists, V: int, device) -> torch.Tensor:

@@ -59,20 +59,32 @@ class Scheduler:
     def schedule(self) -> Plan:
         plan = Plan()
         plan.decode = self._grow_decoders(plan)
-        plan.prefill = self._prefills(self.max_num_batched_tokens - len(plan.decode))
+        plan.prefill = self._prefills(self.max_num_batched_tokens - len(plan.decode),
+                                      len(plan.decode) < len(self.running))
         return plan
 
-    def _capped(self, seq: Sequence) -> bool:
-        """Its pending token ends it by length once the host reads it: no step for it now."""
-        n, p = seq.pending, seq.params
-        return n > 0 and (p.max_tokens is not None and len(seq.output_ids) + n >= p.max_tokens
-                          or seq.num_total >= self.max_model_len)
+    def _decoders(self) -> tuple[list[Sequence], list[int]]:
+        """The running sequences that decode this step, and the blocks each still needs for its
+        next token. A sequence decodes when all but its newest token (maybe pending) are cached
+        (Sequence.in_decode) and it is not capped: its pending token ends it by length once the
+        host reads it, so it gets no step now. One pass with the lengths inline: it runs over
+        every row every step."""
+        decoders, needs, need_for, max_len = [], [], self.cache.blocks_needed, self.max_model_len
+        for s in self.running:
+            n_out, n = len(s.output_ids), s.pending
+            total = len(s.prompt_ids) + n_out + n
+            if s.status is not Status.RUNNING or s.num_computed != total - 1 or not (n_out or n):
+                continue   # not in decode
+            if n and (s.params.max_tokens is not None and n_out + n >= s.params.max_tokens or total >= max_len):
+                continue   # capped
+            decoders.append(s)
+            needs.append(need_for(total) - len(s.blocks))
+        return decoders, needs
 
     def _grow_decoders(self, plan: Plan) -> list[Sequence]:
         """Every decoding sequence needs blocks for one more token; preempt until they fit ->
         the sequences that decode this step, in running order."""
-        decoders = [s for s in self.running if s.in_decode and not self._capped(s)]
-        needs = [self.cache.blocks_needed(s.num_total) - len(s.blocks) for s in decoders]
+        decoders, needs = self._decoders()
         if self.cache.can_allocate(sum(n for n in needs if n > 0)):   # room for all (the common case): no sort
             for seq, need in zip(decoders, needs):
                 if need > 0:
@@ -100,14 +112,15 @@ class Scheduler:
             ready.add(id(seq))
         return [s for s in self.running if id(s) in ready]
 
-    def _prefills(self, budget: int) -> list[tuple[Sequence, int, int]]:
+    def _prefills(self, budget: int, partial: bool = True) -> list[tuple[Sequence, int, int]]:
         """Chunks within `budget` tokens: running sequences' next chunks, then new ones from the
         waiting queue while slots last. Stops at the first that has no blocks (first come, first
         served: a later, smaller prompt does not overtake it). Chunks that may record prompt
         logprobs share at most chunk_size tokens a step: each of their tokens costs a [V] fp32
-        logits row (as when one chunk ran per step)."""
+        logits row (as when one chunk ran per step). partial: whether any running sequence is not
+        decoding this step (else, the steady state, none has a chunk to look for)."""
         chunks, logit_room = [], self.chunk_size
-        queue = [s for s in self.running if not s.in_decode and s.num_computed < s.num_tokens]
+        queue = [s for s in self.running if s.num_computed < s.num_tokens and not s.in_decode] if partial else []
         while budget > 0:
             if queue:
                 seq = queue.pop(0)

@@ -55,8 +55,9 @@ class Sequence:
     @property
     def in_decode(self) -> bool:
         """All but the newest token (maybe still pending) are cached: the next step feeds that one token."""
-        return (self.status is Status.RUNNING and self.num_computed == self.num_total - 1
-                and bool(self.output_ids or self.pending))
+        n_out = len(self.output_ids)   # (lengths inline, not num_total: the scheduler asks every row every step)
+        return (self.status is Status.RUNNING and self.num_computed == len(self.prompt_ids) + n_out + self.pending - 1
+                and bool(n_out or self.pending))
 
     @property
     def finished(self) -> bool:
