@@ -62,7 +62,10 @@ class _Set:
         """A non-blocking copy of t into buffer j (grown where too small) -> its view."""
         buf = self.bufs[j]
         if buf is None or buf.dtype != t.dtype or buf.numel() < t.numel():
-            buf = self.bufs[j] = torch.empty(max(t.numel(), 64), dtype=t.dtype, pin_memory=self.pin)
+            # a normal tensor even when the first step runs under inference mode: a later copy
+            # into it from outside (a caller without EngineCore.step's decorator) stays legal
+            with torch.inference_mode(False):
+                buf = self.bufs[j] = torch.empty(max(t.numel(), 64), dtype=t.dtype, pin_memory=self.pin)
         return buf[:t.numel()].view(t.shape).copy_(t, non_blocking=True)
 
 

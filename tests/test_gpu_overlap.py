@@ -61,11 +61,13 @@ def test_decode_launch_never_syncs(tiny_ckpt):
     assert len(plan.decode) == 6 and not plan.prefill
     torch.cuda.set_sync_debug_mode("error")
     try:
-        launched = eng._launch(plan, touched)
+        with torch.inference_mode():               # as EngineCore.step runs it
+            launched = eng._launch(plan, touched)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     done, eng.inflight = eng.inflight, launched    # the rest of EngineCore.step
-    eng._read(done, touched)
+    with torch.inference_mode():
+        eng._read(done, touched)
     while eng.has_unfinished():
         eng.step()
     _drain(llm)
