@@ -23,7 +23,7 @@ import torch
 
 from .cache import KVCache
 from .inflight import HostBuffers, HostTokens, InFlight
-from .runner import ModelRunner
+from .runner import ModelRunner, device_longs
 from .sampler import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -304,7 +304,7 @@ def _completion(s: Sequence) -> CompletionOutput:
 
 def _take(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """logits[rows] with the index sent without a host sync ([L,V] -> [len(rows),V])."""
-    return logits.index_select(0, torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True))
+    return logits.index_select(0, device_longs(logits.device, rows))
 
 
 # ---- prompt logprobs ----

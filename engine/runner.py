@@ -79,12 +79,12 @@ class ModelRunner:
                                     device=self.device, eos_token_ids=[self.eos], steps=steps)
         rows = [i for i, s in enumerate(seqs) if s.pending]
         if rows and (batch.output_counts is not None or batch.seen_mask is not None):
-            src = _to(self.device, [seqs[i].pending_row for i in rows])
-            batch.count_tokens(_to(self.device, rows), prev.index_select(0, src))
+            src = device_longs(self.device, [seqs[i].pending_row for i in rows])
+            batch.count_tokens(device_longs(self.device, rows), prev.index_select(0, src))
         return self.sampler(logits.float(), batch)
 
 
-def _to(device, values: list[int]) -> torch.Tensor:
+def device_longs(device, values: list[int]) -> torch.Tensor:
     """Host ints -> a long tensor on device, with no host sync (pageable memory is staged at once)."""
     return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 

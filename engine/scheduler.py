@@ -67,14 +67,13 @@ class Scheduler:
         """The running sequences that decode this step, and the blocks each still needs for its
         next token. A sequence decodes when all but its newest token (maybe pending) are cached
         (Sequence.in_decode) and it is not capped: its pending token ends it by length once the
-        host reads it, so it gets no step now. One pass with the lengths inline: it runs over
-        every row every step."""
+        host reads it, so it gets no step now. One pass: it runs over every row every step."""
         decoders, needs, need_for, max_len = [], [], self.cache.blocks_needed, self.max_model_len
         for s in self.running:
+            if not s.in_decode:
+                continue
             n_out, n = len(s.output_ids), s.pending
             total = len(s.prompt_ids) + n_out + n
-            if s.status is not Status.RUNNING or s.num_computed != total - 1 or not (n_out or n):
-                continue   # not in decode
             if n and (s.params.max_tokens is not None and n_out + n >= s.params.max_tokens or total >= max_len):
                 continue   # capped
             decoders.append(s)
@@ -91,10 +90,9 @@ class Scheduler:
                     seq.blocks += self.cache.allocate(need)
             return decoders
         ready = set()
-        for seq in sorted(decoders, key=lambda s: s.arrival):
+        for seq, need in sorted(zip(decoders, needs), key=lambda d: d[0].arrival):
             if seq.status is not Status.RUNNING:
-                continue  # preempted while making room for an earlier one
-            need = self.cache.blocks_needed(seq.num_total) - len(seq.blocks)
+                continue  # preempted while making room for an earlier one (its own blocks never change else)
             while need > 0 and not self.cache.can_allocate(need):
                 victim = max(self.running, key=lambda s: s.arrival)
                 if victim is seq and len(self.running) == 1:
