@@ -51,18 +51,26 @@ class Compressor(nn.Module):
 
         prev: the (kv, score) A halves [B,ratio,d] of the window before the first one, if any.
         """
-        if self.overlap:
+        if not self.overlap:
+            return self._softpool(kv, score)
+        d = self.head_dim
+        a_kv, a_sc = kv[..., :d], score[..., :d]
+        if prev is None:
+            prev = (torch.zeros_like(a_kv[:, :1]), torch.full_like(a_sc[:, :1], float("-inf")))
+        else:
+            prev = (prev[0][:, None], prev[1][:, None])
+        a_kv = torch.cat((prev[0], a_kv[:, :-1]), dim=1)    # each window pools the one before's A half
+        a_sc = torch.cat((prev[1], a_sc[:, :-1]), dim=1)
+        return self._softpool(kv, score, (a_kv, a_sc))
+
+    def _softpool(self, kv, score, a=None):
+        """Windows kv, score [..., ratio, coff*d] -> [..., d]; a: (kv, score) [..., ratio, d], the A
+        halves each window pools beside its own B half (overlap)."""
+        if a is not None:
             d = self.head_dim
-            a_kv, a_sc = kv[..., :d], score[..., :d]
-            if prev is None:
-                prev = (torch.zeros_like(a_kv[:, :1]), torch.full_like(a_sc[:, :1], float("-inf")))
-            else:
-                prev = (prev[0][:, None], prev[1][:, None])
-            a_kv = torch.cat((prev[0], a_kv[:, :-1]), dim=1)
-            a_sc = torch.cat((prev[1], a_sc[:, :-1]), dim=1)
-            kv = torch.cat((a_kv, kv[..., d:]), dim=2)       # [B,n,2*ratio,d]
-            score = torch.cat((a_sc, score[..., d:]), dim=2)
-        return (kv * score.softmax(dim=2)).sum(dim=2)
+            kv = torch.cat((a[0], kv[..., d:]), dim=-2)       # [..., 2*ratio, d]
+            score = torch.cat((a[1], score[..., d:]), dim=-2)
+        return (kv * score.softmax(dim=-2)).sum(dim=-2)
 
     def finish(self, c: torch.Tensor, entry: torch.Tensor, inv_freq: torch.Tensor, dtype, sim: str | None) -> torch.Tensor:
         """Pooled entries [B,n,d] at entry indices [n] or [B,n] -> normed, roped cache entries,
@@ -94,8 +102,48 @@ class Compressor(nn.Module):
         """A prefill step's projections kv, score [1,T,coff*d] fp32 (the wkv / wgate GEMMs, no ape;
         StepInputs' flat layout): each of `rows`' chunk (host row ids) has its completed windows
         become entries in the flat store [rows, d] at once; the open window stays in the state.
-        Torch, a Python loop over rows (not tokens): one-token rows go through the decode op
-        instead (engine.model.step.compress); one varlen pooling over every chunk is still to do."""
+        Varlen: a fixed number of torch ops whatever the rows (index tables from prefill_plan, once
+        per step and ratio); one-token rows go through the decode op instead
+        (engine.model.step.compress). prefill_ref is the same a row at a time."""
+        r, C = self.ratio, kv.shape[-1]
+        p = prefill_plan(inp, rows, r, r if self.overlap else 0)
+        ks, ss = kv_state.view(-1, C), score_state.view(-1, C)          # [slots*coff*r, C] views
+        # every row's tokens from its open window's start: windows first, then what stays open
+        ext_kv = self._extend(ks, kv[0], p, None)                          # [X, C]
+        ext_sc = self._extend(ss, score[0], p, self.ape[p["tk_ape"]])
+        E = p["E"]
+        if E:
+            kvw, scw = ext_kv[:E * r].view(E, r, C), ext_sc[:E * r].view(E, r, C)
+            a = self._prev_a(kvw, scw, kv_state, score_state, p) if self.overlap else None
+            c = self.finish(self._softpool(kvw, scw, a)[None], p["entry"], inv_freq, dtype, sim)[0]   # [E,d]
+            store[p["loc"]] = c.to(store.dtype)
+            if self.overlap:        # each row's last complete window is the next entry's A half
+                kv_state[p["emit_slot"], :r] = kvw[p["last_win"]]
+                score_state[p["emit_slot"], :r] = scw[p["last_win"]]
+        ks[p["rest_idx"]] = ext_kv[E * r:]
+        ss[p["rest_idx"]] = ext_sc[E * r:]
+
+    @staticmethod
+    def _extend(state, new, p, ape):
+        """state [slots*coff*r, C] and new tokens [T, C] -> [X, C]: the open windows' earlier tokens
+        from the state, the chunks' tokens (plus their ape, if given) from `new`, in plan order."""
+        out = new.new_empty(p["X"], new.shape[-1])
+        out[p["st_pos"]] = state[p["st_idx"]]
+        tok = new[p["tk_tok"]]
+        out[p["tk_pos"]] = tok if ape is None else tok + ape
+        return out
+
+    def _prev_a(self, kvw, scw, kv_state, score_state, p):
+        """Ratio 4: the A halves [E,r,d] each window pools: the window before it in the same row,
+        or for a row's first window the state's previous window (read before it is overwritten)."""
+        d, r = self.head_dim, self.ratio
+        a_kv, a_sc = kvw[..., :d].roll(1, 0), scw[..., :d].roll(1, 0)
+        a_kv[p["first_win"]] = kv_state[p["emit_slot"], :r, :d]
+        a_sc[p["first_win"]] = score_state[p["emit_slot"], :r, :d]
+        return a_kv, a_sc
+
+    def prefill_ref(self, kv, score, inp, rows, kv_state, score_state, store, inv_freq, dtype, sim):
+        """prefill a row at a time (the reference tests/test_varlen_compress.py holds it to)."""
         for b in rows:
             o, n = inp.offsets[b], inp.row_lens[b]
             self._prefill_row(kv[0, o:o + n], score[0, o:o + n], b, inp.starts[b], inp, kv_state, score_state,
@@ -125,3 +173,56 @@ class Compressor(nn.Module):
         rest = S + n_old - n_emit * r
         kv_state[slot, off:off + rest] = kv[n_emit * r:]
         score_state[slot, off:off + rest] = score[n_emit * r:]
+
+
+# ---- the varlen prefill's index tables: built on the host once per step and ratio (shared by the
+# step's compressors of that ratio), one host-to-device copy ----
+def _ranges(counts: torch.Tensor, begins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host counts, begins [m] -> (owner, i) [sum(counts)]: element j of owner k has i = begins[k] + j."""
+    owner = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    first = counts.cumsum(0) - counts
+    return owner, torch.arange(len(owner)) - first[owner] + begins[owner]
+
+
+def _host_plan(inp, rows: list[int], r: int, off: int) -> dict:
+    """Row b's chunk (starts[b], row_lens[b] tokens) seen from its open window's start w0*r: the
+    X = n_old + n tokens ("ext"), the first n_emit*r of them complete windows, the rest stay open.
+    Ext is ordered all rows' window tokens first (E windows of r), then all rows' open tokens."""
+    L = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    rid = L(rows)
+    s, n, o = L(inp.starts)[rid], L(inp.row_lens)[rid], L(inp.offsets)[rid]
+    w0 = s // r
+    n_old = s - w0 * r                                  # tokens of the open window already in the state
+    n_emit = (s + n) // r - w0                          # windows this chunk completes
+    W = n_emit * r
+    own_w, i_w = _ranges(W, torch.zeros_like(W))
+    own_r, i_r = _ranges(n_old + n - W, W)
+    own, i = torch.cat((own_w, own_r)), torch.cat((i_w, i_r))
+    old = i < n_old[own]
+    st_pos, tk_pos = old.nonzero()[:, 0], (~old).nonzero()[:, 0]
+    win_own, k = _ranges(n_emit, torch.zeros_like(n_emit))
+    emit = (n_emit > 0).nonzero()[:, 0]
+    ends = n_emit.cumsum(0)
+    t = dict(st_pos=st_pos, st_row=rid[own[st_pos]], st_local=off + i[st_pos],
+             tk_pos=tk_pos, tk_tok=(o[own] + i - n_old[own])[tk_pos], tk_ape=i[tk_pos] % r,  # pos % r = i % r
+             win_row=rid[win_own], entry=w0[win_own] + k,
+             emit_row=rid[emit], first_win=(ends - n_emit)[emit], last_win=(ends - 1)[emit],
+             rest_row=rid[own_r], rest_local=off + i_r - W[own_r])
+    return dict(t, X=len(own), E=int(n_emit.sum()))
+
+
+def prefill_plan(inp, rows: list[int], r: int, off: int) -> dict:
+    """_host_plan's tables on the device (one copy), with slots and block tables applied: flat state
+    rows (slot * coff*r + row) and store rows (entry_loc)."""
+    def make():
+        h = _host_plan(inp, rows, r, off)
+        names = [k for k, v in h.items() if torch.is_tensor(v)]
+        flat = torch.cat([h[k] for k in names]).to(inp.ids.device)
+        p = dict(zip(names, flat.split([len(h[k]) for k in names])), X=h["X"], E=h["E"])
+        S, slots = off + r, inp.slots                        # state rows per slot
+        p["st_idx"] = slots[p["st_row"]] * S + p["st_local"]
+        p["rest_idx"] = slots[p["rest_row"]] * S + p["rest_local"]
+        p["emit_slot"] = slots[p["emit_row"]]
+        p["loc"] = entry_loc(inp.block_table[p["win_row"]], inp.block_tokens, p["entry"][:, None], r)[:, 0]
+        return p
+    return inp.once(("compress plan", r, tuple(rows)), make)

@@ -112,7 +112,7 @@ class StepInputs:
         return [b for b, n in enumerate(self.row_lens) if n == 1]
 
     def multi_rows(self) -> list[int]:
-        """Rows of more than one token: the compressor's torch prefill takes them a row at a time."""
+        """Rows of more than one token: the compressor's torch prefill takes them all at once (varlen)."""
         return [b for b, n in enumerate(self.row_lens) if n > 1]
 
     def single_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
