@@ -2,7 +2,7 @@
 
     python bench/glue.py [--quick] [--T 1 64 256] [--H 64]
 
-For each fused kernel (mhc_pre, sinkhorn, mhc_post, rope_qkv, route) at the real shapes
+For each fused kernel (mhc_pre with its mix projection, sinkhorn, mhc_post, rope_qkv, route) at the real shapes
 (D 4096, Dh 512, rope 64, E 256, k 6, window 128): do_bench medians of the torch reference
 and of the kernel. Then one layer's glue in decode order (attn pre, rope/kv, attn post, ffn
 pre, router, ffn post; the GEMMs left out) under torch.profiler: CUDA kernels launched by
@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.kernels.bf16_gemm import split_bf16  # noqa: E402
 from engine.kernels.mhc_post import mhc_post, mhc_post_ref  # noqa: E402
 from engine.kernels.mhc_pre import mhc_pre, mhc_pre_ref  # noqa: E402
 from engine.kernels.rope_kv import rope_qkv, rope_qkv_ref  # noqa: E402
@@ -33,8 +34,8 @@ def inputs(T, H, dev="cuda", dt=torch.bfloat16):
     pos = torch.randint(0, 60000, (T,), device=dev)
     cos, sin = cos_sin(pos, inv_freq(R, 160000.0, None).to(dev))
     return dict(
-        pre=(0.6 * r(T, 24), 1 + 0.1 * r(3), 0.5 * r(24), r(T, HC, D).to(dt), (1 + 0.05 * r(D)).to(dt),
-             20, 1e-6, 1e-6),
+        pre=(r(T, HC, D).to(dt), *split_bf16(r(24, HC * D) * 0.6 / (HC * D) ** 0.5), 1 + 0.1 * r(3), 0.5 * r(24),
+             (1 + 0.05 * r(D)).to(dt), 20, 1e-6, 1e-6),
         sink=(2 * r(T, HC, HC), 20, 1e-6),
         post=(r(T, D).to(dt), r(T, HC, D).to(dt), 2 * torch.sigmoid(r(T, HC)),
               torch.softmax(r(T, HC, HC), -1)),
@@ -64,8 +65,8 @@ def layer_glue(x, fused):
     f = x["post"][0]
     _, post, comb = o["mhc_pre"]()
     o["rope_qkv"]()
-    h = (mhc_post if fused else mhc_post_ref)(f, x["pre"][3], post, comb)
-    _, post, comb = (mhc_pre if fused else mhc_pre_ref)(x["pre"][0], *x["pre"][1:3], h, *x["pre"][4:])
+    h = (mhc_post if fused else mhc_post_ref)(f, x["pre"][0], post, comb)
+    _, post, comb = (mhc_pre if fused else mhc_pre_ref)(h, *x["pre"][1:])
     o["route"]()
     return (mhc_post if fused else mhc_post_ref)(f, h, post, comb)
 

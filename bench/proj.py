@@ -53,8 +53,8 @@ def variants(M, sweep):
     out = [{}]
     small = M <= 16
     for bn in ((16, 32, 64) if small else (32, 64)):
-        for split in ((None, 1, 4) if small else (None, 1, 2)):
-            for stages in ((4, 6) if small else (3, 4)):
+        for split in ((None, 1, 2, 4) if small else (None, 1, 2)):
+            for stages in ((4, 6, 8) if small else (3, 4)):
                 for warps in ((4,) if small else (4, 8)):
                     out.append(dict(block_n=bn, split_k=split, num_stages=stages, num_warps=warps))
     return out

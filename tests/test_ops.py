@@ -26,11 +26,11 @@ def test_references_off_the_kernels_target():
 def test_interpreted_kernels_are_chosen_by_name(monkeypatch):
     monkeypatch.setattr(K, "CPU_INTERPRETED", True)
     ops = Ops.select("cpu", torch.float32, "sparse_attn,mhc")
-    from engine.kernels import bf16_gemm, mhc_pre, sparse_attn
+    from engine.kernels import bf16_gemm, mhc_post, mhc_pre, sparse_attn
 
     assert ops.kernels == {"sparse_attn", "mhc"}
     assert ops.sparse_attn is sparse_attn.sparse_mqa and ops.mhc_pre is mhc_pre.mhc_pre
-    assert ops.mhc_mix is bf16_gemm.mhc_mix and ops.gemm is bf16_gemm.bf16_gemm_ref   # bf16_gemm is off
+    assert ops.mhc_post is mhc_post.mhc_post and ops.gemm is bf16_gemm.bf16_gemm_ref   # bf16_gemm is off
 
 
 def test_set_kernels_is_the_default_of_models_prepared_later(tiny_ckpt, monkeypatch):

@@ -71,8 +71,7 @@ class Ops:
     indexer_topk: Callable      # indexer: (q, w, keys, table, per_block, visible, k, n) -> (ids, rows, ...)
     gemm: Callable              # bf16_gemm: (a, b) -> a @ b^T, fp32 out (fp64 for fp64 models)
     fp8_gemm: Callable          # fp8_gemm: (x, e4m3 weight, E8M0 scales, act_quant, out_dtype) -> y
-    mhc_mix: Callable           # mhc (bf16_gemm.py): (h, fn_hi, fn_lo, eps) -> the mHC projection, fp32
-    mhc_pre: Callable           # mhc: Sinkhorn, stream collapse and RMSNorm
+    mhc_pre: Callable           # mhc: the mix projection (bf16_gemm.py), Sinkhorn, stream collapse, RMSNorm
     mhc_post: Callable          # mhc: expand and mix back into the streams
     rope_qkv: Callable          # rope_kv: q/kv norms, RoPE, the KV's FP8 rounding, the ring write
     rope_q: Callable            # rope_q: RoPE on heads (inverse on the output; Hadamard + FP4 for the indexer)
@@ -107,7 +106,6 @@ _TABLE = {
     "indexer_topk": ("indexer", "indexer", "indexer_topk"),
     "gemm": ("bf16_gemm", "bf16_gemm", "bf16_gemm"),
     "fp8_gemm": ("fp8_gemm", "fp8_gemm", "fp8_gemm"),
-    "mhc_mix": ("mhc", "bf16_gemm", "mhc_mix"),
     "mhc_pre": ("mhc", "mhc_pre", "mhc_pre"),
     "mhc_post": ("mhc", "mhc_post", "mhc_post"),
     "rope_qkv": ("rope_kv", "rope_kv", "rope_qkv"),

@@ -4,6 +4,8 @@
   h [M, hc*D = 16384] bf16 @ fn^T [16384, 24 (or 4)] -> fp32 [M, 24], times rsqrt(mean(h^2) + eps).
   The sum of squares is taken from the same h tiles in the same K loop, so h is read once. Skinny N
   and long K leave one output tile: split-K spreads K over the SMs (fp8_gemm's workspace and tickets).
+- mhc_mix_parts: the same projection left as per-split partials (MixPartials) for mhc_pre to sum:
+  no tickets and no serial tail, the one consumer reads the partials anyway.
   fn is fp32 in the checkpoint; split once into fn_hi + fn_lo (two bf16, split_bf16) the two dots
   reproduce the fp32 projection to ~2^-17, on tensor cores, for twice fn's bf16 bytes (= its fp32
   bytes). fn_hi alone is the plain bf16 GEMM (~2^-9 per weight).
@@ -17,7 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.numerics import up
-from .common import gdc_enter, pdl_args, SplitPlan, get_workspace, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
+from .common import gdc_enter, pdl_args, scratch, SplitKWorkspace, SplitPlan, get_workspace, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
 
 
 @triton.jit
@@ -32,7 +34,7 @@ def _dot(a, b, acc):
 def _bf16_gemm_kernel(a_ptr, b_ptr, lo_ptr, y_ptr, part_ptr, ticket_ptr,
                       M, N, K, kb_per_split, n_split, eps,
                       stride_ab, stride_am, stride_bb, stride_bn, stride_yb, stride_ym,
-                      HAS_LO: tl.constexpr, SUMSQ: tl.constexpr, SPLIT: tl.constexpr,
+                      HAS_LO: tl.constexpr, SUMSQ: tl.constexpr, SPLIT: tl.constexpr, PARTS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
@@ -60,7 +62,12 @@ def _bf16_gemm_kernel(a_ptr, b_ptr, lo_ptr, y_ptr, part_ptr, ticket_ptr,
             af = a.to(tl.float32)
             ss += tl.sum(af * af, axis=1)
     mask = rm[:, None] & cm[None, :]
-    if SPLIT:
+    if PARTS:   # MixPartials [n_split, M, N + 1]: this split's dots, then (last column) its sum of squares
+        p_slot = part_ptr + pid_s * M * (N + 1) + rows * (N + 1)
+        tl.store(p_slot[:, None] + cols[None, :], acc, mask=mask)
+        if SUMSQ:
+            tl.store(p_slot + N, ss, mask=rm & (pid_n == 0))
+    elif SPLIT:
         tile = (bat * tl.num_programs(1) + pid_n) * tl.num_programs(0) + pid_m
         p_offs = rows[:, None] * N + cols[None, :]
         p_slot = part_ptr + bat * n_split * M * N
@@ -120,25 +127,59 @@ def bf16_gemm_need(M, N, K, batch=1, device=None, sumsq=False, **plan_kw):
     return s * M * (batch * N + (p.grid[1] if sumsq else 0)), p.grid[0] * p.grid[1] * batch
 
 
-def _launch(a3, b3, lo, y3, eps, sumsq, workspace, plan_kw):
-    """a3 [B, M, K], b3 [B or 1, N, K], y3 [B, M, N] -> y3."""
+def _launch(a3, b3, lo, y3, eps, sumsq, workspace, plan_kw, parts=None):
+    """a3 [B, M, K], b3 [B or 1, N, K], y3 [B, M, N] -> y3; or with `parts`, a [n_split, M, N + 1]
+    fp32 buffer the plan's splits fill (B = 1, mhc_mix_parts) -> parts."""
     B, M, K = a3.shape
     N = b3.shape[1]
     assert a3.stride(-1) == 1 and b3.stride(-1) == 1 and y3.stride(-1) == 1
     p = bf16_gemm_plan(M, N, K, B, a3.device, **plan_kw)
-    split = p.split.split > 1
+    split = p.split.split > 1 and parts is None
     ws = get_workspace(workspace, *bf16_gemm_need(M, N, K, B, a3.device, sumsq, **plan_kw), a3.device) if split else None
+    if parts is not None:
+        assert B == 1 and parts.shape == (p.split.split, M, N + 1) and parts.is_contiguous()
+        ws = SplitKWorkspace(0, 0, a3.device, partials=parts, tickets=parts)
     _bf16_gemm_kernel[p.grid](
-        a3, b3, lo if lo is not None else b3, y3, ws.partials if split else y3, ws.tickets if split else y3,
+        a3, b3, lo if lo is not None else b3, y3, ws.partials if ws else y3, ws.tickets if split else y3,
         M, N, K, p.split.kb_per_split, p.split.split, eps,
         a3.stride(0), a3.stride(1), b3.stride(0) if b3.shape[0] > 1 else 0, b3.stride(1),
         y3.stride(0), y3.stride(1),
-        HAS_LO=lo is not None, SUMSQ=sumsq, SPLIT=split, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
+        HAS_LO=lo is not None, SUMSQ=sumsq, SPLIT=split, PARTS=parts is not None, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
         BLOCK_K=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args())
-    return y3
+    return parts if parts is not None else y3
 
 
 # ----------------------------------------------------------------------------- mHC projection
+
+@dataclass
+class MixPartials:
+    """The mHC mix as partial sums over K splits: parts [C, T, N + 1] fp32, where parts[c, t, :N] is
+    split c's share of h_flat[t] @ fn^T and parts[c, t, N] its share of sum(h_flat[t]^2); K = hc * D.
+    mix = sum_c parts[..., :N] * rsqrt(sum_c parts[..., N] / K + eps) (mhc_pre sums in its kernel)."""
+    parts: torch.Tensor
+    K: int
+    eps: float
+
+    def mix(self) -> torch.Tensor:
+        """-> the mix [T, N] fp32, summed in torch (tests)."""
+        p = self.parts.sum(0)
+        return p[:, :-1] * torch.rsqrt(p[:, -1:] / self.K + self.eps)
+
+
+def mhc_mix_parts(h, fn_hi, fn_lo=None, norm_eps=1e-6, **plan_kw) -> MixPartials:
+    """h [..., hc, D] bf16, fn_hi/fn_lo [N, hc*D] -> MixPartials of the mix of the T = prod(...) rows,
+    in a scratch buffer the next mhc_pre reads (one consumer, stream order: reused by every layer)."""
+    K = h.shape[-2] * h.shape[-1]
+    a = h.reshape(-1, K)
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    M, N = a.shape[0], fn_hi.shape[0]
+    p = bf16_gemm_plan(max(M, 1), N, K, 1, h.device, **plan_kw)
+    assert p.grid[1] == 1, "mhc_mix_parts: N must fit one tile"
+    n = p.split.split * M * (N + 1)
+    parts = scratch("mhc.parts", h.device, n, torch.float32)[:n].view(p.split.split, M, N + 1)
+    if M:
+        _launch(a[None], fn_hi[None], fn_lo, a[None], norm_eps, True, None, plan_kw, parts=parts)
+    return MixPartials(parts, K, norm_eps)
 
 def split_bf16(w: torch.Tensor):
     """fp32 w -> (hi, lo) bf16 with hi + lo == w to ~2^-17 relative (done once, at load)."""

@@ -1,65 +1,96 @@
-"""mHC pre after the mix projection, fused with the sub-layer's RMSNorm: one kernel, one pass.
+"""mHC pre, from the streams to the sub-layer's normed input: the mix projection, then one kernel.
 
-Input is the mix GEMM's output (already times rsqrt(mean h^2), a separate kernel). Per token
-the kernel derives pre/post/comb (Sinkhorn in registers), collapses the streams
-x = sum_j pre_j h_j, rounds x to h's dtype (hc_pre hands it over in that dtype) and applies
-the weighted RMSNorm (attn_norm / ffn_norm). Replaces the tail of engine.model.mhc.hc_pre
-(about 20 Sinkhorn rounds of small torch ops, the collapse and a cast) plus RMSNorm.
+mhc_mix_parts (bf16_gemm.py) leaves the mix h_flat @ fn^T and the sum of squares as partials per K
+split; one program per token sums them (no split-K tail kernel: bench/RESULTS.md), derives
+pre/post/comb (Sinkhorn in registers), collapses the streams x = sum_j pre_j h_j, rounds x to h's
+dtype (hc_pre hands it over in that dtype) and applies the weighted RMSNorm (attn_norm /
+ffn_norm). Replaces engine.model.mhc.hc_pre (the mix, about 20 Sinkhorn rounds of small torch
+ops, the collapse and a cast) plus RMSNorm.
 """
 import torch
 import triton
 import triton.language as tl
 
 from engine.numerics import up
+from .bf16_gemm import mhc_mix_parts, mhc_mix_ref
 from .common import gdc_enter, pdl_args, round_to
 from .rms_norm import rms_norm_ref as rms_norm
 from .sinkhorn import sinkhorn_ref as sinkhorn, sinkhorn_tile
 
 
 @triton.jit
-def _mhc_pre_kernel(mix_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, post_ptr, comb_ptr,
-                    D, stride_mt, stride_ht, stride_hj, stride_yt, hc_eps, norm_eps,
-                    HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr = False):
+def _mix_at(m, offs, C, stride_c, BLOCK_C: tl.constexpr, TWO_D: tl.constexpr):
+    """The mix dots at offs ([HC] or, TWO_D, [HC,HC]) of one token's partials row m, summed over
+    the C splits (the row's rsqrt norm not yet applied)."""
+    cc = tl.arange(0, BLOCK_C)
+    if TWO_D:
+        v = tl.load(m + cc[:, None, None] * stride_c + offs[None, :, :], mask=(cc < C)[:, None, None], other=0.0)
+    else:
+        v = tl.load(m + cc[:, None] * stride_c + offs[None, :], mask=(cc < C)[:, None], other=0.0)
+    return tl.sum(v, axis=0)
+
+
+@triton.jit
+def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, post_ptr, comb_ptr,
+                    D, stride_ht, stride_hj, stride_yt, hc_eps, norm_eps, C, K, mix_eps,
+                    HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                    USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
     t = tl.program_id(0)
-    m = mix_ptr + t * stride_mt                          # mix row: pre [HC], post [HC], comb [HC*HC]
+    N: tl.constexpr = (2 + HC) * HC
+    stride_c = tl.num_programs(0) * (N + 1)
+    m = part_ptr + t * (N + 1)                  # partials row: pre [HC], post [HC], comb [HC*HC], sum of squares
+    # every load first: the stores below may alias them as far as the compiler knows, so a load
+    # placed after a store waits for it (the partials, the streams and the weight in flight at once)
+    cc = tl.arange(0, BLOCK_C)
+    k = tl.arange(0, HC)
+    jk = k[:, None] * HC + k[None, :]                                                     # [HC,HC]
+    ss = tl.sum(tl.load(m + cc * stride_c + N, mask=cc < C, other=0.0), axis=0)
+    mix_pre = _mix_at(m, k, C, stride_c, BLOCK_C, False)
+    mix_post = _mix_at(m, HC + k, C, stride_c, BLOCK_C, False)
+    mix_comb = _mix_at(m, 2 * HC + jk, C, stride_c, BLOCK_C, True)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    h = tl.load(h_ptr + t * stride_ht + k[:, None] * stride_hj + d[None, :], mask=dm[None, :], other=0.0)  # [HC,D]
+    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
-    k = tl.arange(0, HC)
-    post = 2 * tl.sigmoid(tl.load(m + HC + k) * s1 + tl.load(base_ptr + HC + k))
-    tl.store(post_ptr + t * HC + k, post)
-    jk = k[:, None] * HC + k[None, :]                                                     # [HC,HC]
-    logits = tl.load(m + 2 * HC + jk) * s2 + tl.load(base_ptr + 2 * HC + jk)
-    tl.store(comb_ptr + t * HC * HC + jk, sinkhorn_tile(logits, hc_eps, ITERS))
+    b_pre = tl.load(base_ptr + k)
+    b_post = tl.load(base_ptr + HC + k)
+    b_comb = tl.load(base_ptr + 2 * HC + jk)
 
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
+    rnorm = tl.math.rsqrt(ss / K + mix_eps)     # mhc_mix's order: the dots, then the norm
+    tl.store(post_ptr + t * HC + k, 2 * tl.sigmoid(mix_post * rnorm * s1 + b_post))
+    tl.store(comb_ptr + t * HC * HC + jk, sinkhorn_tile(mix_comb * rnorm * s2 + b_comb, hc_eps, ITERS))
+    pre = tl.sigmoid(mix_pre * rnorm * s0 + b_pre) + hc_eps
+    hp = pre[:, None] * h.to(tl.float32)                                                  # [HC,D]
     x = tl.zeros([BLOCK_D], tl.float32)
     for j in tl.static_range(HC):
-        # streams summed in order j = 0..hc-1, as torch's sum over the stream axis does
-        pj = tl.sigmoid(tl.load(m + j) * s0 + tl.load(base_ptr + j)) + hc_eps
-        hj = tl.load(h_ptr + t * stride_ht + j * stride_hj + d, mask=dm, other=0.0)
-        x += pj * hj.to(tl.float32)
+        # streams summed in order j = 0..hc-1, as torch's sum over the stream axis does (one term per sum)
+        x += tl.sum(tl.where(k[:, None] == j, hp, 0.0), axis=0)
     x = round_to(x, h_ptr.dtype.element_ty)
     r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps)
-    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
     tl.store(y_ptr + t * stride_yt + d, round_to(w * (x * r), y_ptr.dtype.element_ty), mask=dm)
 
 
-def mhc_pre(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, h: torch.Tensor,
-            norm_weight: torch.Tensor, iters: int, hc_eps: float, norm_eps: float, out=None):
-    """mix [...,(2+hc)*hc] fp32, scale [3], base [(2+hc)*hc], h [...,hc,D], norm_weight [D]
+def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, scale: torch.Tensor,
+            base: torch.Tensor, norm_weight: torch.Tensor, iters: int, hc_eps: float, norm_eps: float,
+            out=None, **mix_plan):
+    """h [...,hc,D], the mix weight fn_hi (+ fn_lo) [(2+hc)*hc, hc*D] bf16 (split_bf16 of the fp32
+    fn), scale [3], base [(2+hc)*hc], norm_weight [D]
     -> y = RMSNorm(sum_j pre_j h_j) [...,D] (h dtype), post [...,hc] fp32, comb [...,hc,hc] fp32.
 
-    `out` = (y, post, comb) preallocated (contiguous) to write into, e.g. inside a CUDA graph."""
+    norm_eps is both the mix's and the RMSNorm's (the block's norm_eps). `out` = (y, post, comb)
+    preallocated (contiguous) to write into, e.g. inside a CUDA graph. mix_plan: the mix GEMM's
+    plan (split_k, ...: tests and tuning)."""
     hc, D = h.shape[-2:]
-    assert hc & (hc - 1) == 0 and mix.shape[-1] == (2 + hc) * hc
+    N = (2 + hc) * hc
+    assert hc & (hc - 1) == 0 and fn_hi.shape[0] == N
     lead = h.shape[:-2]
     h3 = h.reshape(-1, hc, D)
     T = h3.shape[0]
-    m2 = mix.reshape(T, -1).float()
-    assert h3.stride(-1) == 1 and m2.stride(-1) == 1
+    assert h3.stride(-1) == 1
     if out is None:
         y = torch.empty(T, D, dtype=h.dtype, device=h.device)
         post = torch.empty(T, hc, dtype=torch.float32, device=h.device)
@@ -68,20 +99,23 @@ def mhc_pre(mix: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, h: torch
         y, post, comb = out
         assert y.is_contiguous() and post.is_contiguous() and comb.is_contiguous()
     if T:
+        mix = mhc_mix_parts(h3, fn_hi, fn_lo, norm_eps, **mix_plan)                 # [C, T, N+1]
+        C = mix.parts.shape[0]
         block = triton.next_power_of_2(D)
-        _mhc_pre_kernel[(T,)](m2, scale.float().contiguous(), base.float().contiguous(), h3,
-                              norm_weight.contiguous(), y, post, comb, D, m2.stride(0),
-                              h3.stride(0), h3.stride(1), D,
-                              hc_eps, norm_eps, HC=hc, ITERS=iters, BLOCK_D=block,
+        _mhc_pre_kernel[(T,)](mix.parts, scale.float().contiguous(), base.float().contiguous(), h3,
+                              norm_weight.contiguous(), y, post, comb, D, h3.stride(0), h3.stride(1), D,
+                              hc_eps, norm_eps, C, mix.K, norm_eps,
+                              HC=hc, ITERS=iters, BLOCK_D=block, BLOCK_C=triton.next_power_of_2(C),
                               num_warps=min(16, max(1, block // 512)), **pdl_args())
     if out is not None:
         return out
     return y.view(*lead, D), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
 
-def mhc_pre_ref(mix, scale, base, h, norm_weight, iters, hc_eps, norm_eps, out=None):
-    """Torch reference: hc_pre's lines after its mix projection, then rms_norm (engine code)."""
+def mhc_pre_ref(h, fn_hi, fn_lo, scale, base, norm_weight, iters, hc_eps, norm_eps, out=None, **_):
+    """Torch reference: engine.model.mhc.hc_pre's lines (its mix, mhc_mix_ref), then rms_norm."""
     hc = h.shape[-2]
+    mix = mhc_mix_ref(h, fn_hi, fn_lo, norm_eps)
     pre = torch.sigmoid(mix[..., :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(mix[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (mix[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))

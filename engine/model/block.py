@@ -36,7 +36,7 @@ class Block(nn.Module):
                       getattr(self, f"hc_{name}_base"), self.hc_iters, self.hc_eps, self.norm_eps)
 
     def mix_weight(self, name: str):
-        """-> (fn_hi, fn_lo) for ops.mhc_mix: the mix projection's fp32 weight split into two bf16
+        """-> (fn_hi, fn_lo) for ops.mhc_pre: the mix projection's fp32 weight split into two bf16
         halves for the mix kernel (prepare_mix), or (fn, None) for the reference."""
         return self.mix_split.get(name) or (getattr(self, f"hc_{name}_fn"), None)
 

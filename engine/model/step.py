@@ -55,10 +55,9 @@ def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Op
 
 def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops):
     """-> the sub-layer's normed input x [B,S,D], post [B,S,hc], comb [B,S,hc,hc] (fp32)."""
-    mix = ops.mhc_mix(h, *b.mix_weight(name), b.norm_eps)                       # [B,S,(2+hc)*hc] fp32
-    norm = b.attn_norm if name == "attn" else b.ffn_norm
-    return ops.mhc_pre(mix, getattr(b, f"hc_{name}_scale"), getattr(b, f"hc_{name}_base"), h, norm.weight,
-                       b.hc_iters, b.hc_eps, b.norm_eps)
+    norm = b.attn_norm if name == "attn" else b.ffn_norm     # the mix projection, Sinkhorn, collapse, norm
+    return ops.mhc_pre(h, *b.mix_weight(name), getattr(b, f"hc_{name}_scale"), getattr(b, f"hc_{name}_base"),
+                       norm.weight, b.hc_iters, b.hc_eps, b.norm_eps)
 
 
 def linear(lin: Linear, x: torch.Tensor, ops: Ops, num: Numerics, rounded: bool = False) -> torch.Tensor:
