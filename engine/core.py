@@ -85,7 +85,7 @@ class EngineOverloaded(RuntimeError):
 
 class EngineCore:
     def __init__(self, model, tokenizer, cache: KVCache, max_num_seqs: int, max_model_len: int,
-                 chunk_size: int = 512, max_waiting: int | None = None, max_num_batched_tokens: int = 8192,
+                 chunk_size: int | None = None, max_waiting: int | None = None, max_num_batched_tokens: int = 8192,
                  async_scheduling: bool = False):
         self.model, self.tokenizer, self.cache = model, tokenizer, cache
         self.async_scheduling = async_scheduling

@@ -29,6 +29,10 @@ def parse_args(argv=None):
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="tokens one step feeds the model: decode rows plus several prompts' prefill chunks")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="the most of one prompt a step prefills (default: --max-num-batched-tokens)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -98,6 +102,7 @@ def main(argv=None):
 
     llm = LLM(args.model, tp=args.tp, device=args.device, max_num_seqs=args.max_num_seqs,
               enforce_eager=args.enforce_eager, max_num_batched_tokens=args.max_num_batched_tokens,
+              chunk_size=args.chunk_size, max_model_len=args.max_model_len,
               async_scheduling=args.async_scheduling, simulate_tp=args.simulate_tp, num_layers=args.num_layers,
               simulate_collectives=args.simulate_collectives)
     prompts, params, kept = [], [], []

@@ -58,14 +58,15 @@ def _model_config(model, tp: int, simulate_tp: int | None, num_layers: int | Non
 class LLM:
     def __init__(self, model: str | Path | None = None, tp: int = 1, device=None, dtype=None,
                  max_num_seqs: int = 16, max_model_len: int | None = None, kv_cache_memory: int | None = None,
-                 numerics: str | None = None, chunk_size: int = 512, max_waiting: int | None = None,
+                 numerics: str | None = None, chunk_size: int | None = None, max_waiting: int | None = None,
                  tp_timeout: float = 120.0, enforce_eager: bool = False, skip_tokenizer_init: bool = False,
                  max_num_batched_tokens: int = 8192, async_scheduling: bool | None = None,
                  simulate_tp: int | None = None, num_layers: int | None = None, simulate_collectives: bool = True):
         """skip_tokenizer_init: as vLLM's, no tokenizer is loaded (engine.tokenizer is not even
         imported): prompts must be token ids, outputs carry token ids and empty text.
         max_num_batched_tokens: the tokens one step feeds the model (decode rows and prefill
-        chunks of several sequences together); chunk_size: the most of one prompt per step.
+        chunks of several sequences together); chunk_size: the most of one prompt per step
+        (None: the whole budget).
         async_scheduling: launch each step before reading the previous step's tokens, so that
         appending, detokenizing and stop checks overlap the device (engine.core); None:
         $ENGINE_ASYNC_SCHEDULING (0 or 1) if set, else on for CUDA at tp=1 (tensor-parallel

@@ -4,7 +4,7 @@ Each step runs every sequence that is past its prefill (one token each) and, wit
 budget (`max_num_batched_tokens`, the decode rows counted first), prefill chunks of as many
 sequences as fit: first those already running (the next chunk of a long prompt, or a
 preempted sequence's recompute), then the waiting queue in order. A chunk is at most
-`chunk_size` tokens. The runner feeds all of it to the model in one call.
+`chunk_size` tokens (default: the whole budget). The runner feeds all of it to the model in one call.
 Cache blocks are taken as sequences grow; when the pool runs dry the most recently
 arrived running sequence is preempted (its cache freed, its tokens recomputed later).
 A prefill never preempts: it waits for blocks.
@@ -33,14 +33,22 @@ class Plan:
         return not self.prefill and not self.decode
 
 
+PROMPT_LOGITS_TOKENS = 512   # prompt tokens a step may return logits for: 512 x 129280 x 4 B = 265 MB
+
+
 class Scheduler:
-    def __init__(self, cache: KVCache, max_num_seqs: int, max_model_len: int, chunk_size: int = 512,
+    def __init__(self, cache: KVCache, max_num_seqs: int, max_model_len: int, chunk_size: int | None = None,
                  max_waiting: int | None = None, max_num_batched_tokens: int = 8192):
         if max_num_batched_tokens < max_num_seqs:   # else the decode rows alone could starve every prefill
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({max_num_seqs})")
         self.cache, self.max_num_seqs, self.max_model_len = cache, max_num_seqs, max_model_len
-        self.chunk_size, self.max_waiting = chunk_size, max_waiting
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        # None: one prompt may take the whole budget (an 8k prompt in one step: bench/RESULTS.md)
+        self.chunk_size, self.max_waiting = chunk_size or max_num_batched_tokens, max_waiting
+        # prompt-logprob chunks: each token costs a [V] fp32 logits row, so they share fewer
+        self.logit_tokens = min(self.chunk_size, PROMPT_LOGITS_TOKENS)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -114,10 +122,10 @@ class Scheduler:
         """Chunks within `budget` tokens: running sequences' next chunks, then new ones from the
         waiting queue while slots last. Stops at the first that has no blocks (first come, first
         served: a later, smaller prompt does not overtake it). Chunks that may record prompt
-        logprobs share at most chunk_size tokens a step: each of their tokens costs a [V] fp32
-        logits row (as when one chunk ran per step). partial: whether any running sequence is not
+        logprobs share at most logit_tokens a step (chunk_size, at most PROMPT_LOGITS_TOKENS): each
+        of their tokens costs a [V] fp32 logits row. partial: whether any running sequence is not
         decoding this step (else, the steady state, none has a chunk to look for)."""
-        chunks, logit_room = [], self.chunk_size
+        chunks, logit_room = [], self.logit_tokens
         queue = [s for s in self.running if s.num_computed < s.num_tokens and not s.in_decode] if partial else []
         while budget > 0:
             if queue:

@@ -34,6 +34,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="tokens one step feeds the model: decode rows plus several prompts' prefill chunks")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="the most of one prompt a step prefills (default: --max-num-batched-tokens)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--max-waiting", type=int, default=4096,
                    help="sequences waiting for a slot; requests beyond this get 503 (keeps memory bounded)")
     p.add_argument("--max-n", type=int, default=128, help="largest n (and best_of) a request may ask for")
@@ -63,7 +67,8 @@ def main(argv=None) -> int:
         model = args.model or (None if args.simulate_tp else default_model_dir())
         llm = LLM(model, tp=args.tp, device=args.device, max_num_seqs=args.max_num_seqs,
                   max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
-                  max_num_batched_tokens=args.max_num_batched_tokens, async_scheduling=args.async_scheduling,
+                  max_num_batched_tokens=args.max_num_batched_tokens, chunk_size=args.chunk_size,
+                  max_model_len=args.max_model_len, async_scheduling=args.async_scheduling,
                   simulate_tp=args.simulate_tp, num_layers=args.num_layers,
                   simulate_collectives=args.simulate_collectives)
     except (FileNotFoundError, NotImplementedError, ValueError) as e:

@@ -227,3 +227,25 @@ def test_scheduler_budget_and_prompt_logprob_room(tiny_ckpt):
     for s in seqs:
         sched.finish(s, "abort")
     assert len(llm.cache.free_slots) == 8 and llm.cache.can_allocate(llm.cache.num_blocks - 1)
+
+
+def test_default_chunk_is_the_budget(tiny_ckpt):
+    """Without chunk_size a prompt may take the whole step budget (one step for a prompt that fits),
+    and prompt-logprob chunks still share at most PROMPT_LOGITS_TOKENS of it."""
+    from engine.scheduler import PROMPT_LOGITS_TOKENS
+    from engine.sequence import Sequence
+
+    llm = _llm(tiny_ckpt, max_num_seqs=2, max_num_batched_tokens=600)
+    sched = llm.engine.scheduler
+    assert sched.chunk_size == 600 and sched.logit_tokens == PROMPT_LOGITS_TOKENS == 512
+    long, lp = Sequence("a", 0, list(range(2, 552)), SamplingParams(max_tokens=2)), \
+        Sequence("b", 0, list(range(2, 552)), SamplingParams(max_tokens=2, prompt_logprobs=0))
+    lp.prompt_logprobs = [None]
+    sched.add(long)
+    sched.add(lp)
+    plan = sched.schedule()
+    assert [(s.request_id, a, n) for s, a, n in plan.prefill] == [("a", 0, 550), ("b", 0, 50)]
+    for s in (long, lp):
+        sched.finish(s, "abort")
+    with pytest.raises(ValueError, match="chunk_size"):
+        _llm(tiny_ckpt, chunk_size=0)
