@@ -1,7 +1,8 @@
 """Prefill throughput of one simulated tensor-parallel rank, through the engine's real path.
 
     python bench/prefill.py [--simulate-tp 8] [--model DIR] [--num-layers K] [--workloads 8192x1,1024x8]
-                            [--chunk-size 512] [--max-num-batched-tokens 8192] [--reps 3] [--json PATH]
+                            [--chunk-size 512,8192] [--max-num-batched-tokens 8192] [--reps 3] [--json PATH]
+                            [--by-kernel N]
     python bench/prefill.py --device cpu --num-layers 2 --workloads 32x1,16x2 --reps 1   # smoke run
 
 LLM(simulate_tp=N) builds one rank of TP=N with random weights in the real packed formats, at
@@ -127,6 +128,25 @@ def measure(llm: LLM, length: int, count: int, args, rng, flops_per_token: float
                 all_runs_ms=[t * 1e3 for t, _ in runs])
 
 
+def profile_run(llm: LLM, length: int, count: int, rng, top: int):
+    """One more run under torch.profiler: the device's kernel time against the wall time (the rest
+    is the host launching an eager forward), and the `top` kernels by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = llm.model.cfg
+    prompts = random_prompts(rng, length, count, cfg.vocab_size, cfg.bos_token_id)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wall, steps = run_once(llm, prompts)
+    names = [(e.self_device_time_total, e.count, e.key) for e in prof.key_averages()
+             if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    busy = sum(us for us, _, _ in names) / 1e3
+    launches = sum(n for _, n, _ in names)
+    print(f"profiled {length}x{count} ({steps} steps): wall {wall * 1e3:.1f} ms (profiler on), kernels "
+          f"{busy:.1f} ms in {launches} launches ({launches / steps:.0f} a step)")
+    for us, n, key in sorted(names, reverse=True)[:top]:
+        print(f"    {n:>6} x {us / n:8.2f} us = {us / 1e3:8.2f} ms  {key[:100]}")
+
+
 HEADER = (f"{'workload':>10} {'tokens':>7} {'TTFT ms':>9} {'tok/s':>9} {'steps':>5} {'ms/step':>8} "
           f"{'roofline ms':>11} {'roofline tok/s':>14} {'of roofline':>11}")
 
@@ -144,8 +164,8 @@ def parse_args(argv=None):
     ap.add_argument("--simulate-tp", type=int, default=None, help="the TP degree simulated (default 8; 2 on cpu)")
     ap.add_argument("--num-layers", type=int, default=None, help="only the first K blocks")
     ap.add_argument("--workloads", default="8192x1,1024x8", help="LENxCOUNT,...: COUNT prompts of LEN tokens")
-    ap.add_argument("--chunk-size", default="512", help="the most of one prompt per step (LLM's default 512); "
-                                                       "a comma list runs each on the same engine")
+    ap.add_argument("--chunk-size", default=None, help="the most of one prompt per step (default, as LLM's: "
+                                                     "the step budget); a comma list runs each on the same engine")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step (LLM's default)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--collectives", action=argparse.BooleanOptionalAction, default=True,
@@ -154,11 +174,13 @@ def parse_args(argv=None):
     ap.add_argument("--device", default=None, help="cuda (default when present) or cpu (smoke)")
     ap.add_argument("--seed", type=int, default=0, help="of the prompts")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the run info and rows")
+    ap.add_argument("--by-kernel", type=int, default=0, metavar="N",
+                    help="then profile one run of the first workload: device time against wall, N kernels by name")
     args = ap.parse_args(argv)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.simulate_tp = args.simulate_tp or (8 if args.device.type == "cuda" else 2)
     args.workloads = parse_workloads(args.workloads)
-    args.chunk_sizes = [int(c) for c in args.chunk_size.split(",")]
+    args.chunk_sizes = [int(c) for c in (args.chunk_size or str(args.max_num_batched_tokens)).split(",")]
     if min(args.chunk_sizes) < 1 or max(args.chunk_sizes) > args.max_num_batched_tokens:
         ap.error("--chunk-size values must be in [1, --max-num-batched-tokens]")
     if args.reps < 1:
@@ -208,6 +230,8 @@ def main(argv=None) -> int:
             for length, count in args.workloads:
                 rows.append(dict(chunk_size=chunk, **measure(llm, length, count, args, rng, 2 * active, peak)))
                 print(format_row(rows[-1]), flush=True)
+        if args.by_kernel and args.device.type == "cuda":
+            profile_run(llm, *args.workloads[0], rng, args.by_kernel)
     finally:
         llm.shutdown()
     if args.json:

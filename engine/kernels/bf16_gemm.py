@@ -4,11 +4,11 @@
   h [M, hc*D = 16384] bf16 @ fn^T [16384, 24 (or 4)] -> fp32 [M, 24], times rsqrt(mean(h^2) + eps).
   The sum of squares is taken from the same h tiles in the same K loop, so h is read once. Skinny N
   and long K leave one output tile: split-K spreads K over the SMs (fp8_gemm's workspace and tickets).
-- mhc_mix_parts: the same projection left as per-split partials (MixPartials) for mhc_pre to sum:
-  no tickets and no serial tail, the one consumer reads the partials anyway.
   fn is fp32 in the checkpoint; split once into fn_hi + fn_lo (two bf16, split_bf16) the two dots
   reproduce the fp32 projection to ~2^-17, on tensor cores, for twice fn's bf16 bytes (= its fp32
   bytes). fn_hi alone is the plain bf16 GEMM (~2^-9 per weight).
+- mhc_mix_parts: the same projection left as per-split partials (MixPartials) for mhc_pre to sum:
+  no tickets and no serial tail (its one consumer reads a few floats per split instead).
 - bf16_gemm: generic y[b] = a[b] @ b[b]^T (F.linear layout), fp32 accumulate, batched or shared b,
   split-K for small M*N. For the indexer's batched matmul or any other bf16 x bf16 product.
 """
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.numerics import up
-from .common import gdc_enter, pdl_args, scratch, SplitKWorkspace, SplitPlan, get_workspace, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
+from .common import gdc_enter, pdl_args, scratch, SplitPlan, get_workspace, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
 
 
 @triton.jit
@@ -138,9 +138,9 @@ def _launch(a3, b3, lo, y3, eps, sumsq, workspace, plan_kw, parts=None):
     ws = get_workspace(workspace, *bf16_gemm_need(M, N, K, B, a3.device, sumsq, **plan_kw), a3.device) if split else None
     if parts is not None:
         assert B == 1 and parts.shape == (p.split.split, M, N + 1) and parts.is_contiguous()
-        ws = SplitKWorkspace(0, 0, a3.device, partials=parts, tickets=parts)
+    part_buf = parts if parts is not None else ws.partials if split else y3
     _bf16_gemm_kernel[p.grid](
-        a3, b3, lo if lo is not None else b3, y3, ws.partials if ws else y3, ws.tickets if split else y3,
+        a3, b3, lo if lo is not None else b3, y3, part_buf, ws.tickets if split else y3,
         M, N, K, p.split.kb_per_split, p.split.split, eps,
         a3.stride(0), a3.stride(1), b3.stride(0) if b3.shape[0] > 1 else 0, b3.stride(1),
         y3.stride(0), y3.stride(1),
@@ -155,15 +155,10 @@ def _launch(a3, b3, lo, y3, eps, sumsq, workspace, plan_kw, parts=None):
 class MixPartials:
     """The mHC mix as partial sums over K splits: parts [C, T, N + 1] fp32, where parts[c, t, :N] is
     split c's share of h_flat[t] @ fn^T and parts[c, t, N] its share of sum(h_flat[t]^2); K = hc * D.
-    mix = sum_c parts[..., :N] * rsqrt(sum_c parts[..., N] / K + eps) (mhc_pre sums in its kernel)."""
+    mix = sum_c parts[..., :N] * rsqrt(sum_c parts[..., N] / K + eps), summed in mhc_pre's kernel."""
     parts: torch.Tensor
     K: int
     eps: float
-
-    def mix(self) -> torch.Tensor:
-        """-> the mix [T, N] fp32, summed in torch (tests)."""
-        p = self.parts.sum(0)
-        return p[:, :-1] * torch.rsqrt(p[:, -1:] / self.K + self.eps)
 
 
 def mhc_mix_parts(h, fn_hi, fn_lo=None, norm_eps=1e-6, **plan_kw) -> MixPartials:
@@ -180,6 +175,7 @@ def mhc_mix_parts(h, fn_hi, fn_lo=None, norm_eps=1e-6, **plan_kw) -> MixPartials
     if M:
         _launch(a[None], fn_hi[None], fn_lo, a[None], norm_eps, True, None, plan_kw, parts=parts)
     return MixPartials(parts, K, norm_eps)
+
 
 def split_bf16(w: torch.Tensor):
     """fp32 w -> (hi, lo) bf16 with hi + lo == w to ~2^-17 relative (done once, at load)."""
