@@ -16,6 +16,7 @@ never emitted. Its cache is freed right away, as every later use of its slot and
 later step on the same stream. Off, each step's tokens are read before step() returns.
 """
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from .runner import ModelRunner, device_longs
 from .sampler import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,6 +100,7 @@ class EngineCore:
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0}
+        self._last_step = None      # perf_counter at the previous step's start (the debug step trace)
         self.driver = None  # the AsyncEngine whose thread steps this core, if any
 
     # ---- requests ----
@@ -168,12 +172,24 @@ class EngineCore:
             self._read(self.inflight, touched)
             self.inflight = None
         plan = self.scheduler.schedule()
+        if log.isEnabledFor(logging.DEBUG):
+            self._trace(plan)
         touched |= {s.request_id for s in plan.finished}
         launched = None if plan.empty else self._launch(plan, touched)
         done, self.inflight = (self.inflight, launched) if self.async_scheduling else (launched, None)
         if done is not None:
             self._read(done, touched)
         return self._collect(touched)
+
+    def _trace(self, plan):
+        """--log-level debug: one line a step, what it carries and the wall time since the last
+        one began (the pace of the loop: device time when the host waits on the step before)."""
+        now = time.perf_counter()
+        gap = f"{(now - self._last_step) * 1e3:.1f} ms after the last" if self._last_step is not None else "first"
+        self._last_step = now
+        chunks = [n for _, _, n in plan.prefill]
+        log.debug("step: %d decode rows, %d prefill chunks (%d tokens: %s), %d waiting; %s", len(plan.decode),
+                  len(chunks), sum(chunks), chunks[:8], len(self.scheduler.waiting), gap)
 
     def _launch(self, plan, touched: set[str]) -> InFlight | None:
         """The plan's model call and sampler call, queued on the device -> its sampled rows."""

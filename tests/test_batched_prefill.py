@@ -249,3 +249,15 @@ def test_default_chunk_is_the_budget(tiny_ckpt):
         sched.finish(s, "abort")
     with pytest.raises(ValueError, match="chunk_size"):
         _llm(tiny_ckpt, chunk_size=0)
+
+
+def test_debug_step_trace(tiny_ckpt, caplog):
+    """--log-level debug: one line a step with its decode rows and prefill chunks."""
+    import logging
+
+    llm = _llm(tiny_ckpt, max_num_seqs=2)
+    with caplog.at_level(logging.DEBUG, logger="engine.core"):
+        llm.generate([[1, 5, 6, 7], [1, 8, 9]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.core" and r.getMessage().startswith("step:")]
+    assert lines[0] == "step: 0 decode rows, 2 prefill chunks (7 tokens: [4, 3]), 0 waiting; first"
+    assert lines[1].startswith("step: 2 decode rows, 0 prefill chunks") and "ms after the last" in lines[1]
