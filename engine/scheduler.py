@@ -47,11 +47,14 @@ class Scheduler:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         # None: one prompt may take the whole budget (an 8k prompt in one step: bench/RESULTS.md)
         self.chunk_size, self.max_waiting = chunk_size or max_num_batched_tokens, max_waiting
-        # prompt-logprob chunks: each token costs a [V] fp32 logits row, so they share fewer
-        self.logit_tokens = min(self.chunk_size, PROMPT_LOGITS_TOKENS)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+
+    @property
+    def logit_tokens(self) -> int:
+        """Prompt-logprob chunks share fewer tokens a step: each costs a [V] fp32 logits row."""
+        return min(self.chunk_size, PROMPT_LOGITS_TOKENS)
 
     def add(self, seq: Sequence):
         if len(seq.prompt_ids) >= self.max_model_len:
