@@ -2,7 +2,7 @@
 
     python bench/prefill.py [--simulate-tp 8] [--model DIR] [--num-layers K] [--workloads 8192x1,1024x8]
                             [--chunk-size 512,8192] [--max-num-batched-tokens 8192] [--reps 3] [--json PATH]
-                            [--by-kernel N]
+                            [--by-kernel N] [--proj-before]
     python bench/prefill.py --device cpu --num-layers 2 --workloads 32x1,16x2 --reps 1   # smoke run
 
 LLM(simulate_tp=N) builds one rank of TP=N with random weights in the real packed formats, at
@@ -25,6 +25,7 @@ this script, not a figure).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -157,6 +158,24 @@ def format_row(r: dict) -> str:
             f"{r['of_roofline']:>10.1%}")
 
 
+VARIANTS = ("default", "proj kernel")
+
+
+@contextlib.contextmanager
+def proj_variant(variant: str):
+    """"proj kernel": the packed projections as before prefill's plans (the decode-size kernel plan
+    at every M, no per-projection cuBLAS), for a before/after in one run (--proj-before)."""
+    from engine.kernels import proj_gemm as pg
+
+    saved = pg.LARGE_M, pg.UNFUSED_M
+    if variant == "proj kernel":
+        pg.LARGE_M = pg.UNFUSED_M = 1 << 62
+    try:
+        yield
+    finally:
+        pg.LARGE_M, pg.UNFUSED_M = saved
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a checkpoint dir whose config.json gives the dims "
@@ -174,6 +193,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default=None, help="cuda (default when present) or cpu (smoke)")
     ap.add_argument("--seed", type=int, default=0, help="of the prompts")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the run info and rows")
+    ap.add_argument("--proj-before", action="store_true",
+                    help="also time each workload with the packed projections' previous plans (before/after)")
     ap.add_argument("--by-kernel", type=int, default=0, metavar="N",
                     help="then profile one run of the first workload: device time against wall, N kernels by name")
     args = ap.parse_args(argv)
@@ -228,8 +249,11 @@ def main(argv=None) -> int:
             llm.engine.scheduler.chunk_size = chunk
             print(f"chunk {chunk} tokens of one prompt per step\n{HEADER}")
             for length, count in args.workloads:
-                rows.append(dict(chunk_size=chunk, **measure(llm, length, count, args, rng, 2 * active, peak)))
-                print(format_row(rows[-1]), flush=True)
+                for variant in VARIANTS if args.proj_before else ("default",):
+                    with proj_variant(variant):
+                        rows.append(dict(chunk_size=chunk, variant=variant,
+                                         **measure(llm, length, count, args, rng, 2 * active, peak)))
+                    print(format_row(rows[-1]) + (f"  {variant}" if args.proj_before else ""), flush=True)
         if args.by_kernel and args.device.type == "cuda":
             profile_run(llm, *args.workloads[0], rng, args.by_kernel)
     finally:

@@ -51,6 +51,11 @@ def variants(M, sweep):
     if not sweep:
         return [{}]
     out = [{}]
+    if M >= pg.LARGE_M:    # prefill sizes: the kernel's larger-M plan (x rounded once or per tile), or cuBLAS
+        return out + [dict(unfused=True), dict(unfused=False),
+                      dict(unfused=False, pre_act=False),
+                      dict(unfused=False, block_m=128, num_warps=8, num_stages=2),
+                      dict(unfused=False, block_m=64, num_warps=4, num_stages=3, pre_act=False)]
     small = M <= 16
     for bn in ((16, 32, 64) if small else (32, 64)):
         for split in ((None, 1, 2, 4) if small else (None, 1, 2)):
@@ -78,6 +83,7 @@ def main():
         for _ in range(a.copies):
             packs.append(group(kind, K, "cuda", sizes=sizes))
         nbytes = weight_bytes(packs[0][1])
+        n_out = sum(seg[1].shape[0] for seg in packs[0][0])
         for M in a.M:
             x = torch.randn(M, K, device="cuda").bfloat16()
             base = time_us(lambda: [unfused(x, s) for s, _ in packs], a.copies)
@@ -89,18 +95,19 @@ def main():
                     print(f"{name:7} {M:>4} {str(kw):40} failed: {type(e).__name__}: {str(e)[:60]}")
                     continue
                 gbs = nbytes / us / 1e3
+                tflops = 2 * M * n_out * K / us / 1e6
                 row = dict(group=name, M=M, variant=kw or "default", us=round(us, 2), gbs=round(gbs, 1),
                            pct_bw=round(100 * gbs * 1e9 / bw, 1), unfused_us=round(base, 2), speedup=round(base / us, 2),
-                           weight_bytes=nbytes)
+                           weight_bytes=nbytes, tflops=round(tflops, 1))
                 rows.append(row)
                 if best is None or us < best["us"]:
                     best = row
                 if not kw or not a.sweep:
                     print(f"{name:7} {M:>4} {str(kw or 'default'):40} {us:8.2f} {gbs:7.0f} {row['pct_bw']:5.1f} "
-                          f"{base:10.2f} {base / us:5.2f}")
+                          f"{base:10.2f} {base / us:5.2f} {tflops:7.1f} TFLOP/s")
             if a.sweep and best:
                 print(f"{name:7} {M:>4} best {str(best['variant']):35} {best['us']:8.2f} {best['gbs']:7.0f} "
-                      f"{best['pct_bw']:5.1f} {base:10.2f} {base / best['us']:5.2f}")
+                      f"{best['pct_bw']:5.1f} {base:10.2f} {base / best['us']:5.2f} {best['tflops']:7.1f} TFLOP/s")
     if a.json:
         Path(a.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), copy_tbs=bw / 1e12, rows=rows),
                                            indent=1))

@@ -124,6 +124,9 @@ def interp_proj():
             check_group(pg.proj_gemm(x, p, split_k=split_k), refs)
         y = pg.proj_gemm(x.view(1, M, K), p)                        # leading dims kept
         assert all(t.shape[:2] == (1, M) for t in y.values())
+        # the larger-M plans at a small M: x rounded once beforehand (pre_act); one GEMM per projection
+        check_group(pg.proj_gemm(x, p, pre_act=True, block_m=128, num_stages=2, split_k=1), refs)
+        check_group(pg.proj_gemm(x, p, unfused=True), refs)
     # the q latent group reads rms_norm(latent): normed inside the kernel, every split too
     for i, (M, K, act, dt) in enumerate([(1, 256, True, torch.bfloat16), (17, 384, True, torch.bfloat16),
                                         (3, 256, False, torch.float32)]):
@@ -132,6 +135,7 @@ def interp_proj():
         refs = pg.proj_gemm_ref(x, p, (nw, 1e-6))
         for split_k in (1, None, 2):
             check_group(pg.proj_gemm(x, p, norm=(nw, 1e-6), split_k=split_k), refs)
+        check_group(pg.proj_gemm(x, p, norm=(nw, 1e-6), unfused=True), refs)
 
 
 @pytest.mark.parametrize("check_name", ["interp_proj"])
@@ -154,7 +158,7 @@ REAL = {  # kind -> (K, sizes)
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("M", [1, 5, 16, 64, 256])
+@pytest.mark.parametrize("M", [1, 5, 16, 64, 256, 1000, 2048])
 @pytest.mark.parametrize("name", list(REAL))
 def test_gpu_real_groups(name, M):
     kind, K, sizes = REAL[name]
@@ -163,11 +167,14 @@ def test_gpu_real_groups(name, M):
     refs = pg.proj_gemm_ref(x, p)
     for split_k in (None, 1):
         check_group(pg.proj_gemm(x, p, split_k=split_k), refs)
+    check_group(pg.proj_gemm(x, p, pre_act=M < pg.LARGE_M, unfused=False), refs)   # the other way to round x
+    check_group(pg.proj_gemm(x, p, unfused=M < pg.UNFUSED_M), refs)                # the other path
     if kind == "q":     # the step's q group: the latent's RMSNorm inside the kernel
         nw = 1 + 0.3 * rand_x(1, K, device="cuda", seed=3)[0]
         refs = pg.proj_gemm_ref(x, p, (nw, 1e-6))
         for split_k in (None, 1):
             check_group(pg.proj_gemm(x, p, norm=(nw, 1e-6), split_k=split_k), refs)
+        check_group(pg.proj_gemm(x, p, norm=(nw, 1e-6), unfused=M < pg.UNFUSED_M), refs)
 
 
 @pytest.mark.gpu

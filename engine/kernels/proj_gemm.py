@@ -21,19 +21,22 @@ get plain tensors, not strided slices of one wide output.
 
 Small M leaves most SMs idle with one program per output tile, so K is split over programs
 (kernels/common.py's deterministic split-K: fixed partials, tickets, the last split sums in order).
-Any M works (prefill chunks too): M tiles of up to 64 rows.
+Any M works: M tiles of up to 64 rows. Prefill sizes (UNFUSED_M tokens on) are compute-bound,
+not weight-bound, and there one cuBLAS GEMM per projection is faster (proj_unfused).
 """
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from engine.numerics import fp8_block_dequant, fp8_sim_ref, up
-from .bf16_gemm import _dot
 from .common import gdc_enter, pdl_args, get_workspace, interpreting, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
+from .act_sim import fp8_sim
+from .bf16_gemm import _dot, bf16_gemm
 from .fp8_gemm import load_block_scale, quant_e4m3_rows
-from .rms_norm import rms_norm_ref
+from .rms_norm import rms_norm, rms_norm_ref
 
 QBLOCK = 128          # FP8 scale block and the activation rounding block
 ROW_ALIGN = 64        # region boundaries: a multiple of every BLOCK_N the plans take
@@ -55,6 +58,7 @@ class Proj:
     meta: torch.Tensor           # [N / ROW_ALIGN, 3] int32: each row chunk's (first row, offset, width)
     lo_width: int                # sum of the lo projections' widths
     hi_width: int
+    dense: dict | None = None    # name -> weight [out, K] in the model's dtype (prefill's cuBLAS path)
 
 
 def pack_proj(segments, K: int, dtype, device) -> Proj:
@@ -88,7 +92,11 @@ def pack_proj(segments, K: int, dtype, device) -> Proj:
             s8[r // QBLOCK:r // QBLOCK + fp8[1].shape[0]] = fp8[1].view(torch.uint8)
         else:
             wd[r - n8:r - n8 + out] = w
-    return Proj(w8, s8, wd, n8, n_act, n_lo, n, K, outs, meta.to(device), width[True], width[False])
+    # prefill's per-projection GEMMs read dense weights: the caller's (an FP8 Linear keeps its
+    # dequantised weight: no copy) and views of wd for the dense rows
+    dense = {name: w if fp8 is not None else wd[outs[name][0] - n8:outs[name][0] - n8 + w.shape[0]]
+             for name, w, fp8, _, _ in segments}
+    return Proj(w8, s8, wd, n8, n_act, n_lo, n, K, outs, meta.to(device), width[True], width[False], dense)
 
 
 def split_outputs(p: Proj, lo: torch.Tensor, hi: torch.Tensor, lead) -> dict:
@@ -146,11 +154,12 @@ def _k_loop(x_row, w_row, s_row, s_ptr, rm, cm, kb0, kb1, acc,
 
 
 @triton.jit
-def _proj_kernel(x_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr, lo_ptr, hi_ptr, part_ptr, ticket_ptr, nw_ptr,
+def _proj_kernel(x_ptr, xa_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr, lo_ptr, hi_ptr, part_ptr, ticket_ptr, nw_ptr,
                  M, N, K, n8, n_act, n_lo, kb_per_split, n_split,
                  stride_xm, stride_s8, eps,
                  ACT8: tl.constexpr, SW_ROUND: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr, USE_GDC: tl.constexpr = False):
+                 PRE_ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
+                 USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0 = pid_n * BLOCK_N
@@ -165,12 +174,23 @@ def _proj_kernel(x_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr, lo_ptr, hi_ptr, part_p
     rstd = tl.full([BLOCK_M], 1.0, tl.float32)
     if NORM:
         rstd = _rstd(x_row, rm, K, eps, BLOCK_M)
+    # PRE_ACT (large M): the act regions read xa, x rounded to e4m3 once by the caller, rather than
+    # every N tile rounding its own copy of the x tile again
+    xa_row = xa_ptr + rows[:, None] * stride_xm
     if n0 < n8:
-        acc = _k_loop(x_row, w8_ptr + cols.to(tl.int64)[:, None] * K, (cols // _QB) * stride_s8, s8_ptr,
-                      rm, cm, kb0, kb1, acc, True, ACT8, SW_ROUND, NORM, nw_ptr, rstd)
+        if PRE_ACT and ACT8:
+            acc = _k_loop(xa_row, w8_ptr + cols.to(tl.int64)[:, None] * K, (cols // _QB) * stride_s8, s8_ptr,
+                          rm, cm, kb0, kb1, acc, True, False, SW_ROUND, False, nw_ptr, rstd)
+        else:
+            acc = _k_loop(x_row, w8_ptr + cols.to(tl.int64)[:, None] * K, (cols // _QB) * stride_s8, s8_ptr,
+                          rm, cm, kb0, kb1, acc, True, ACT8, SW_ROUND, NORM, nw_ptr, rstd)
     elif n0 < n_act:
-        acc = _k_loop(x_row, wd_ptr + (cols - n8).to(tl.int64)[:, None] * K, cols, s8_ptr, rm, cm, kb0, kb1, acc,
-                      False, True, SW_ROUND, NORM, nw_ptr, rstd)
+        if PRE_ACT:
+            acc = _k_loop(xa_row, wd_ptr + (cols - n8).to(tl.int64)[:, None] * K, cols, s8_ptr, rm, cm, kb0, kb1,
+                          acc, False, False, SW_ROUND, False, nw_ptr, rstd)
+        else:
+            acc = _k_loop(x_row, wd_ptr + (cols - n8).to(tl.int64)[:, None] * K, cols, s8_ptr, rm, cm, kb0, kb1,
+                          acc, False, True, SW_ROUND, NORM, nw_ptr, rstd)
     else:
         acc = _k_loop(x_row, wd_ptr + (cols - n8).to(tl.int64)[:, None] * K, cols, s8_ptr, rm, cm, kb0, kb1, acc,
                       False, False, SW_ROUND, NORM, nw_ptr, rstd)
@@ -212,26 +232,35 @@ class ProjPlan:
     grid: tuple
     num_warps: int
     num_stages: int
+    pre_act: bool = False
 
 
-def proj_plan(M, N, K, device=None, block_n=None, split_k=None, num_warps=None, num_stages=None) -> ProjPlan:
-    """Tiles for y [M, N]: M tiles of up to 64 rows; N tiles of 32, or 64 for wide groups past
-    M = 16; K split for ~2 programs per SM; 4 stages, 3 past M = 16 (two 64x128 tiles a stage fill
-    the shared memory). From bench/proj.py --sweep on the H200 (bench/RESULTS.md). The
-    overrides are for tuning."""
-    bm = min(64, max(16, triton.next_power_of_2(M)))
-    bn = block_n or (64 if M > 16 and N >= 2048 else 32)
+LARGE_M = 256        # tokens from which the kernel takes its larger-M plan
+UNFUSED_M = 1024     # tokens from which the group runs as one cuBLAS GEMM per projection
+
+
+def proj_plan(M, N, K, device=None, block_m=None, block_n=None, split_k=None, num_warps=None, num_stages=None,
+              pre_act=None) -> ProjPlan:
+    """Tiles for y [M, N]. Decode sizes stream the weights: M tiles of up to 64 rows; N tiles of
+    32, or 64 for wide groups past M = 16; K split for ~2 programs per SM; 4 stages, 3 past M = 16
+    (two 64x128 tiles a stage fill the shared memory). From M = LARGE_M: 128 x 64 tiles, 8 warps,
+    2 stages, and x rounded to e4m3 once beforehand (pre_act) rather than again by every N tile.
+    From bench/proj.py --sweep on the H200 (bench/RESULTS.md). The overrides are for tuning."""
+    large = M >= LARGE_M
+    bm = block_m or (128 if large else min(64, max(16, triton.next_power_of_2(M))))
+    bn = block_n or (64 if M > 16 and N >= 2048 or large else 32)
     assert ROW_ALIGN % bn == 0
     n_m, n_n = triton.cdiv(M, bm), triton.cdiv(N, bn)
     sp = plan_split(n_m * n_n, K // QBLOCK, num_sms(device), split_k)
-    return ProjPlan(bm, bn, sp.split, sp.kb_per_split, (n_n, n_m, sp.split), num_warps or 4,
-                    num_stages or (4 if M <= 16 else 3))
+    return ProjPlan(bm, bn, sp.split, sp.kb_per_split, (n_n, n_m, sp.split), num_warps or (8 if large else 4),
+                    num_stages or (4 if M <= 16 else 2 if large else 3), large if pre_act is None else pre_act)
 
 
-def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, **plan_kw) -> dict:
+def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None, **plan_kw) -> dict:
     """x [..., K] -> {name: [..., out]}: each projection of the group, in x's dtype (lo) or fp32
     (hi). norm = (weight [K], eps): the group reads rms_norm(x, weight, eps), normed in the
-    kernel. K must be a multiple of 128 (else the reference runs)."""
+    kernel. K must be a multiple of 128 (else the reference runs). From UNFUSED_M tokens (prefill;
+    unfused=True/False forces it) each projection is its own cuBLAS GEMM instead (proj_unfused)."""
     if p.K % QBLOCK or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return proj_gemm_ref(x, p, norm)
     lead = x.shape[:-1]
@@ -239,22 +268,42 @@ def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, **plan_kw) ->
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    if (M >= UNFUSED_M if unfused is None else unfused) and p.dense is not None:
+        return proj_unfused(x2, p, norm, lead)
     lo = torch.empty(M * p.lo_width, dtype=x.dtype, device=x.device)
     hi = torch.empty(M * p.hi_width, dtype=torch.float32, device=x.device)
     if M:
         pl = proj_plan(M, p.N, p.K, x.device, **plan_kw)
         split = pl.split > 1
         ws = get_workspace(workspace, pl.split * M * p.N, pl.grid[0] * pl.grid[1], x.device) if split else None
+        pre = pl.pre_act and p.n_act > 0 and norm is None
+        xa = fp8_sim(x2, QBLOCK) if pre else x2       # the act regions' input, rounded once
         _proj_kernel[pl.grid](
-            x2, p.w8 if p.w8 is not None else x2, p.s8 if p.s8 is not None else x2,
+            x2, xa, p.w8 if p.w8 is not None else x2, p.s8 if p.s8 is not None else x2,
             p.wd if p.wd is not None else x2, p.meta, lo, hi, ws.partials if split else hi,
             ws.tickets if split else hi, norm[0] if norm is not None else x2,
             M, p.N, p.K, p.n8, p.n_act, p.n_lo, pl.kb_per_split, pl.split,
             x2.stride(0), p.s8.stride(0) if p.s8 is not None else 0, norm[1] if norm is not None else 0.0,
             ACT8=p.n_act >= p.n8 > 0, SW_ROUND=interpreting(), SPLIT=split, NORM=norm is not None,
-            BLOCK_M=pl.block_m, BLOCK_N=pl.block_n, ALIGN=ROW_ALIGN, num_warps=pl.num_warps,
+            PRE_ACT=pre, BLOCK_M=pl.block_m, BLOCK_N=pl.block_n, ALIGN=ROW_ALIGN, num_warps=pl.num_warps,
             num_stages=pl.num_stages, **pdl_args())
     return split_outputs(p, lo, hi, lead)
+
+
+def proj_unfused(x2: torch.Tensor, p: Proj, norm, lead) -> dict:
+    """The group as one GEMM per projection, for large M where the GEMMs are compute-bound: x
+    rounded to e4m3 once for the act rows, cuBLAS (F.linear) for the x-dtype outputs, the bf16
+    GEMM kernel for the fp32 ones. bench/proj.py: 2.4-3x faster than the packed kernel at M = 8192,
+    whose small-M tiles and per-block scaling do not reach the tensor cores' rate."""
+    if norm is not None:
+        x2 = rms_norm(x2, *norm)
+    xa = fp8_sim(x2, QBLOCK) if p.n_act else None
+    res = {}
+    for name, (r, _, out, lo) in p.outs.items():
+        xi = xa if r < p.n_act else x2
+        y = F.linear(xi, p.dense[name]) if lo else bf16_gemm(xi, p.dense[name])
+        res[name] = y.view(*lead, out)
+    return res
 
 
 def proj_gemm_ref(x: torch.Tensor, p: Proj, norm=None, **_) -> dict:

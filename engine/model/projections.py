@@ -12,6 +12,9 @@ Per block, two groups, each a single launch at decode:
   faster than rms_norm + two cuBLAS GEMMs at M <= 16 and slower at M = 64 (bench/RESULTS.md), so
   larger steps (prefill, big batches) keep the cuBLAS path.
 The lone wo_b and w2 stay on cuBLAS (bench/proj.py: no faster packed, slower at M = 64).
+Prefill-sized steps (proj_gemm.UNFUSED_M tokens on) run the attn and ffn groups as one GEMM per
+projection (cuBLAS, on the Linears' dequantised weights): there the GEMMs are compute-bound and
+the kernel's weight-stream tiles are 2-4x slower (bench/RESULTS.md).
 
 FP8 rows are kept as the checkpoint's e4m3 + E8M0 bytes when the kernel runs (half the bytes of
 the dequantised copy), re-derived from the loaded weight and used only if that is exact, as it is
