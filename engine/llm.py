@@ -136,6 +136,13 @@ class LLM:
                  path, self.device, str(self.dtype).removeprefix("torch."), numerics, self.cache.num_blocks,
                  self.cache.block_tokens, max_num_seqs)
 
+    def warm_up(self) -> float:
+        """Synthetic requests through the engine, so that real ones meet compiled kernels
+        (engine.warmup) -> seconds taken."""
+        from .warmup import warm_up
+
+        return warm_up(self.engine)
+
     def shutdown(self):
         """Stop the tensor-parallel ranks (a no-op at tp=1); leave a simulated rank's state."""
         if self.tp > 1:

@@ -47,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shutdown-timeout", type=float, default=5,
                    help="seconds SIGTERM waits for connections to close before cancelling them")
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if present)")
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                   help="run synthetic requests before serving, so that the first real ones do not wait on "
+                        "kernel compiles (engine.warmup; default: on for CUDA)")
     simulate.add_args(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
@@ -74,6 +77,8 @@ def main(argv=None) -> int:
     except (FileNotFoundError, NotImplementedError, ValueError) as e:
         log.error("cannot start: %s", e)
         return 2
+    if args.warm_up if args.warm_up is not None else llm.device.type == "cuda":
+        llm.warm_up()
     limits = Limits(max_n=args.max_n, max_request_seqs=args.max_request_seqs,
                     max_body_bytes=int(args.max_body_mb * (1 << 20)))
     app = build_app(llm, args.served_model_name, api_key=args.api_key, limits=limits)
