@@ -57,9 +57,9 @@ def variants(M, sweep):
                       dict(unfused=False, block_m=128, num_warps=8, num_stages=2),
                       dict(unfused=False, block_m=64, num_warps=4, num_stages=3, pre_act=False)]
     small = M <= 16
-    for bn in ((16, 32, 64) if small else (32, 64)):
-        for split in ((None, 1, 2, 4) if small else (None, 1, 2)):
-            for stages in ((4, 6, 8) if small else (3, 4)):
+    for bn in (32, 64):
+        for split in ((None, 4, 8, 16) if small else (None, 2, 4, 8)):
+            for stages in ((4, 8) if small else (3, 4)):
                 for warps in ((4,) if small else (4, 8)):
                     out.append(dict(block_n=bn, split_k=split, num_stages=stages, num_warps=warps))
     return out

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from engine.kernels.bf16_gemm import split_bf16  # noqa: E402
 from engine.kernels.act_sim import fp4_sim, fp4_sim_ref, fp8_sim, fp8_sim_ref  # noqa: E402
 from engine.kernels.mhc_post import mhc_post, mhc_post_ref  # noqa: E402
-from engine.kernels.mhc_pre import mhc_pre, mhc_pre_ref  # noqa: E402
+from engine.kernels.mhc_pre import ROLES_MAX_T, mhc_pre, mhc_pre_ref  # noqa: E402
 from engine.kernels.rope_kv import rope_qkv, rope_qkv_ref  # noqa: E402
 from engine.kernels.router import route, route_ref  # noqa: E402
 from engine.kernels.sinkhorn import sinkhorn, sinkhorn_ref  # noqa: E402
@@ -86,9 +86,19 @@ def check_mhc_pre(T, dtype, D=96, dev="cpu", out=False, split_k=None):
         o = (torch.empty(T, D, dtype=dtype, device=dev), torch.empty(T, 4, device=dev),
              torch.empty(T, 4, 4, device=dev)) if out else None
         got = mhc_pre(h, hi, lo, *rest, out=o, split_k=split_k)
+        # the other program layout (one program per token, or two): the same bits
+        other = mhc_pre(h, hi, lo, *rest, split_k=split_k, roles=1 if T <= ROLES_MAX_T else 2)
     want = mhc_pre_ref(h, hi, lo, *rest)
-    for g_, w_, dt in zip(got, want, (dtype, F32, F32)):
+    for g_, w_, o_, dt in zip(got, want, other, (dtype, F32, F32)):
         close(g_, w_, tol_for(dt, dev))
+        assert torch.equal(g_.view(o_.shape), o_)
+    if D % 128 == 0:    # y's FP8 rounding for the projections, from the same kernel: fp8_sim of its y exactly
+        xa = torch.full((T, D), float("nan"), dtype=dtype, device=dev)
+        y = mhc_pre(h, hi, lo, *rest, split_k=split_k, act_out=xa)[0]
+        assert torch.equal(y, got[0].view(y.shape)) and torch.equal(xa, fp8_sim_ref(y, 128))
+        xr = torch.empty_like(xa)
+        mhc_pre_ref(h, hi, lo, *rest, act_out=xr)
+        assert torch.equal(xr, fp8_sim_ref(want[0], 128))
     return lambda: mhc_pre(h, hi, lo, *rest, split_k=split_k)
 
 
@@ -289,7 +299,7 @@ def _cpu_cases():
         cases[f"sinkhorn-T{T}"] = (check_sinkhorn, dict(T=T, out=T == 7))
         for dt in (F32, BF16):
             n = str(dt).split(".")[-1]
-            cases[f"mhc_pre-T{T}-{n}"] = (check_mhc_pre, dict(T=T, dtype=dt, D=96 if T < 7 else 64, out=T == 3,
+            cases[f"mhc_pre-T{T}-{n}"] = (check_mhc_pre, dict(T=T, dtype=dt, D={1: 96, 3: 256, 7: 64}[T], out=T == 3,
                                                               split_k={1: None, 3: 1, 7: 3}[T]))
             cases[f"mhc_post-T{T}-{n}"] = (check_mhc_post, dict(T=T, dtype=dt, inplace=T == 3))
             for table in (True, False):

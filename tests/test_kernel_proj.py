@@ -127,6 +127,11 @@ def interp_proj():
         # the larger-M plans at a small M: x rounded once beforehand (pre_act); one GEMM per projection
         check_group(pg.proj_gemm(x, p, pre_act=True, block_m=128, num_stages=2, split_k=1), refs)
         check_group(pg.proj_gemm(x, p, unfused=True), refs)
+        # x's rounding made by its producer (mhc_pre's act_out): the same values the tiles round to
+        xa = fp8_sim(x, 128)
+        for kw in (dict(split_k=1), dict(split_k=3), dict(unfused=True)):
+            want = pg.proj_gemm(x, p, **kw)
+            assert all(torch.equal(want[k], v) for k, v in pg.proj_gemm(x, p, xa=xa, **kw).items()), (kind, kw)
     # the q latent group reads rms_norm(latent): normed inside the kernel, every split too
     for i, (M, K, act, dt) in enumerate([(1, 256, True, torch.bfloat16), (17, 384, True, torch.bfloat16),
                                         (3, 256, False, torch.float32)]):
@@ -169,6 +174,9 @@ def test_gpu_real_groups(name, M):
         check_group(pg.proj_gemm(x, p, split_k=split_k), refs)
     check_group(pg.proj_gemm(x, p, pre_act=M < pg.LARGE_M, unfused=False), refs)   # the other way to round x
     check_group(pg.proj_gemm(x, p, unfused=M < pg.UNFUSED_M), refs)                # the other path
+    if kind != "q":     # x rounded by its producer (mhc_pre): the same bits as rounding it per tile
+        want, got = pg.proj_gemm(x, p), pg.proj_gemm(x, p, xa=fp8_sim(x, 128))
+        assert all(torch.equal(want[k], got[k]) for k in want)
     if kind == "q":     # the step's q group: the latent's RMSNorm inside the kernel
         nw = 1 + 0.3 * rand_x(1, K, device="cuda", seed=3)[0]
         refs = pg.proj_gemm_ref(x, p, (nw, 1e-6))

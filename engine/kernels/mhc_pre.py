@@ -11,11 +11,17 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.numerics import up
+from engine.numerics import fp8_sim_ref, up
 from .bf16_gemm import mhc_mix_parts, mhc_mix_ref
+from .act_sim import fp8_round_trip
 from .common import gdc_enter, pdl_args, round_to
 from .rms_norm import rms_norm_ref as rms_norm
 from .sinkhorn import sinkhorn_ref as sinkhorn, sinkhorn_tile
+
+# Tokens up to which each token takes two programs (ROLES = 2). A scratch bench (H200, 2026-12-04,
+# mix + pre, graph replay, 8 layers' weights): 1.2-1.3 us faster per call at 1-64 tokens, 1.5-2.6 us
+# slower at 256 (twice the programs, half of them Sinkhorn's few floats).
+ROLES_MAX_T = 64
 
 
 @triton.jit
@@ -31,59 +37,120 @@ def _mix_at(m, offs, C, stride_c, BLOCK_C: tl.constexpr, TWO_D: tl.constexpr):
 
 
 @triton.jit
-def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, post_ptr, comb_ptr,
-                    D, stride_ht, stride_hj, stride_yt, hc_eps, norm_eps, C, K, mix_eps,
-                    HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-                    USE_GDC: tl.constexpr = False):
-    gdc_enter(USE_GDC)
-    t = tl.program_id(0)
+def _load_post_comb(m, C, stride_c, scale_ptr, base_ptr, HC: tl.constexpr, BLOCK_C: tl.constexpr):
+    """What post and comb of one token are made of: the sum of squares, the mix dots (summed over
+    the C splits of its partials row m), the scales and bases."""
     N: tl.constexpr = (2 + HC) * HC
-    stride_c = tl.num_programs(0) * (N + 1)
-    m = part_ptr + t * (N + 1)                  # partials row: pre [HC], post [HC], comb [HC*HC], sum of squares
-    # every load first: the stores below may alias them as far as the compiler knows, so a load
-    # placed after a store waits for it (the partials, the streams and the weight in flight at once)
     cc = tl.arange(0, BLOCK_C)
     k = tl.arange(0, HC)
     jk = k[:, None] * HC + k[None, :]                                                     # [HC,HC]
     ss = tl.sum(tl.load(m + cc * stride_c + N, mask=cc < C, other=0.0), axis=0)
-    mix_pre = _mix_at(m, k, C, stride_c, BLOCK_C, False)
     mix_post = _mix_at(m, HC + k, C, stride_c, BLOCK_C, False)
     mix_comb = _mix_at(m, 2 * HC + jk, C, stride_c, BLOCK_C, True)
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    h = tl.load(h_ptr + t * stride_ht + k[:, None] * stride_hj + d[None, :], mask=dm[None, :], other=0.0)  # [HC,D]
-    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
-    s0 = tl.load(scale_ptr)
-    s1 = tl.load(scale_ptr + 1)
-    s2 = tl.load(scale_ptr + 2)
-    b_pre = tl.load(base_ptr + k)
-    b_post = tl.load(base_ptr + HC + k)
-    b_comb = tl.load(base_ptr + 2 * HC + jk)
+    return (ss, mix_post, mix_comb, tl.load(scale_ptr + 1), tl.load(scale_ptr + 2), tl.load(base_ptr + HC + k),
+            tl.load(base_ptr + 2 * HC + jk))
 
+
+@triton.jit
+def _post_comb(ss, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, post_ptr, comb_ptr, t, hc_eps,
+               HC: tl.constexpr, ITERS: tl.constexpr):
+    """post = 2 sigmoid(.), comb = Sinkhorn(.) of token t, stored."""
+    k = tl.arange(0, HC)
+    jk = k[:, None] * HC + k[None, :]
     rnorm = tl.math.rsqrt(ss / K + mix_eps)     # mhc_mix's order: the dots, then the norm
     tl.store(post_ptr + t * HC + k, 2 * tl.sigmoid(mix_post * rnorm * s1 + b_post))
     tl.store(comb_ptr + t * HC * HC + jk, sinkhorn_tile(mix_comb * rnorm * s2 + b_comb, hc_eps, ITERS))
+
+
+@triton.jit
+def _load_collapse(m, C, stride_c, scale_ptr, base_ptr, h_ptr, w_ptr, D, stride_ht, stride_hj, t,
+                   HC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """What y of one token is made of: the sum of squares, the pre dots, its streams h [HC,D], the
+    norm weight, scale and bases."""
+    N: tl.constexpr = (2 + HC) * HC
+    cc = tl.arange(0, BLOCK_C)
+    k = tl.arange(0, HC)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    ss = tl.sum(tl.load(m + cc * stride_c + N, mask=cc < C, other=0.0), axis=0)
+    mix_pre = _mix_at(m, k, C, stride_c, BLOCK_C, False)
+    h = tl.load(h_ptr + t * stride_ht + k[:, None] * stride_hj + d[None, :], mask=dm[None, :], other=0.0)  # [HC,D]
+    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    return ss, mix_pre, h, w, tl.load(scale_ptr), tl.load(base_ptr + k)
+
+
+@triton.jit
+def _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, D, stride_yt, t, hc_eps, norm_eps,
+              HC: tl.constexpr, BLOCK_D: tl.constexpr, ACT: tl.constexpr):
+    """y = RMSNorm(sum_j pre_j h_j) of token t, pre = sigmoid(.) + eps, stored in h's dtype; ACT:
+    also y's e4m3 round trip per 128 channels (fp8_sim(y, 128)) into xa."""
+    k = tl.arange(0, HC)
+    d = tl.arange(0, BLOCK_D)
+    rnorm = tl.math.rsqrt(ss / K + mix_eps)
     pre = tl.sigmoid(mix_pre * rnorm * s0 + b_pre) + hc_eps
     hp = pre[:, None] * h.to(tl.float32)                                                  # [HC,D]
     x = tl.zeros([BLOCK_D], tl.float32)
     for j in tl.static_range(HC):
         # streams summed in order j = 0..hc-1, as torch's sum over the stream axis does (one term per sum)
         x += tl.sum(tl.where(k[:, None] == j, hp, 0.0), axis=0)
-    x = round_to(x, h_ptr.dtype.element_ty)
+    x = round_to(x, h.dtype)
     r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + norm_eps)
-    tl.store(y_ptr + t * stride_yt + d, round_to(w * (x * r), y_ptr.dtype.element_ty), mask=dm)
+    y = round_to(w * (x * r), y_ptr.dtype.element_ty)
+    tl.store(y_ptr + t * stride_yt + d, y, mask=d < D)
+    if ACT:     # the FP8 GEMMs' input, rounded here once rather than by every tile of the projections
+        tl.store(xa_ptr + t * stride_yt + d, round_to(fp8_round_trip(y, BLOCK_D, 128), y_ptr.dtype.element_ty),
+                 mask=d < D)
+
+
+@triton.jit
+def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, xa_ptr, post_ptr, comb_ptr,
+                    D, stride_ht, stride_hj, stride_yt, hc_eps, norm_eps, C, K, mix_eps,
+                    HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                    ROLES: tl.constexpr, ACT: tl.constexpr, USE_GDC: tl.constexpr = False):
+    # ROLES = 2, two programs per token: (t, 0) collapses the streams and norms them, (t, 1) derives
+    # post and comb, so Sinkhorn's 20 rounds of dependent reductions run beside the collapse, not
+    # before it (small steps, where the kernel's latency is the cost). ROLES = 1: one program does
+    # both, every load first: the stores may alias them as far as the compiler knows, so a load
+    # placed after a store waits for it
+    gdc_enter(USE_GDC)
+    t = tl.program_id(0)
+    N: tl.constexpr = (2 + HC) * HC
+    stride_c = tl.num_programs(0) * (N + 1)
+    m = part_ptr + t * (N + 1)                  # partials row: pre [HC], post [HC], comb [HC*HC], sum of squares
+    if ROLES == 1:
+        ss, mix_pre, h, w, s0, b_pre = _load_collapse(m, C, stride_c, scale_ptr, base_ptr, h_ptr, w_ptr, D,
+                                                      stride_ht, stride_hj, t, HC, BLOCK_D, BLOCK_C)
+        ss2, mix_post, mix_comb, s1, s2, b_post, b_comb = _load_post_comb(m, C, stride_c, scale_ptr, base_ptr,
+                                                                          HC, BLOCK_C)
+        _post_comb(ss2, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, post_ptr, comb_ptr, t, hc_eps,
+                   HC, ITERS)
+        _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, D, stride_yt, t, hc_eps, norm_eps,
+                  HC, BLOCK_D, ACT)
+    elif tl.program_id(1) == 0:
+        ss, mix_pre, h, w, s0, b_pre = _load_collapse(m, C, stride_c, scale_ptr, base_ptr, h_ptr, w_ptr, D,
+                                                      stride_ht, stride_hj, t, HC, BLOCK_D, BLOCK_C)
+        _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, D, stride_yt, t, hc_eps, norm_eps,
+                  HC, BLOCK_D, ACT)
+    else:
+        ss2, mix_post, mix_comb, s1, s2, b_post, b_comb = _load_post_comb(m, C, stride_c, scale_ptr, base_ptr,
+                                                                          HC, BLOCK_C)
+        _post_comb(ss2, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, post_ptr, comb_ptr, t, hc_eps,
+                   HC, ITERS)
 
 
 def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, scale: torch.Tensor,
             base: torch.Tensor, norm_weight: torch.Tensor, iters: int, hc_eps: float, norm_eps: float,
-            out=None, **mix_plan):
+            out=None, act_out=None, roles=None, **mix_plan):
     """h [...,hc,D], the mix weight fn_hi (+ fn_lo) [(2+hc)*hc, hc*D] bf16 (split_bf16 of the fp32
     fn), scale [3], base [(2+hc)*hc], norm_weight [D]
     -> y = RMSNorm(sum_j pre_j h_j) [...,D] (h dtype), post [...,hc] fp32, comb [...,hc,hc] fp32.
 
     norm_eps is both the mix's and the RMSNorm's (the block's norm_eps). `out` = (y, post, comb)
-    preallocated (contiguous) to write into, e.g. inside a CUDA graph. mix_plan: the mix GEMM's
-    plan (split_k, ...: tests and tuning)."""
+    preallocated (contiguous) to write into, e.g. inside a CUDA graph. `act_out` [...,D] (h dtype,
+    contiguous; D a multiple of 128): also written with fp8_sim(y, 128), the e4m3 round trip the
+    FP8 projections of y take in reference numerics (proj_gemm's xa, the fused MoE's input), so
+    no projection tile rounds y again. roles: 1 or 2 programs per token (tests); mix_plan: the mix
+    GEMM's plan (split_k, ...: tests and tuning)."""
     hc, D = h.shape[-2:]
     N = (2 + hc) * hc
     assert hc & (hc - 1) == 0 and fn_hi.shape[0] == N
@@ -98,22 +165,28 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
     else:
         y, post, comb = out
         assert y.is_contiguous() and post.is_contiguous() and comb.is_contiguous()
+    assert act_out is None or (act_out.is_contiguous() and act_out.numel() == T * D and act_out.dtype == h.dtype
+                               and D % 128 == 0)
     if T:
         mix = mhc_mix_parts(h3, fn_hi, fn_lo, norm_eps, **mix_plan)                 # [C, T, N+1]
         C = mix.parts.shape[0]
         block = triton.next_power_of_2(D)
-        _mhc_pre_kernel[(T,)](mix.parts, scale.float().contiguous(), base.float().contiguous(), h3,
-                              norm_weight.contiguous(), y, post, comb, D, h3.stride(0), h3.stride(1), D,
+        roles = roles or (2 if T <= ROLES_MAX_T else 1)
+        xa = act_out if act_out is not None else y
+        _mhc_pre_kernel[(T, roles)](mix.parts, scale.float().contiguous(), base.float().contiguous(), h3,
+                              norm_weight.contiguous(), y, xa, post, comb, D, h3.stride(0), h3.stride(1), D,
                               hc_eps, norm_eps, C, mix.K, norm_eps,
-                              HC=hc, ITERS=iters, BLOCK_D=block, BLOCK_C=triton.next_power_of_2(C),
+                              HC=hc, ITERS=iters, BLOCK_D=block, BLOCK_C=triton.next_power_of_2(C), ROLES=roles,
+                              ACT=act_out is not None,
                               num_warps=min(16, max(1, block // 512)), **pdl_args())
     if out is not None:
         return out
     return y.view(*lead, D), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
 
-def mhc_pre_ref(h, fn_hi, fn_lo, scale, base, norm_weight, iters, hc_eps, norm_eps, out=None, **_):
-    """Torch reference: engine.model.mhc.hc_pre's lines (its mix, mhc_mix_ref), then rms_norm."""
+def mhc_pre_ref(h, fn_hi, fn_lo, scale, base, norm_weight, iters, hc_eps, norm_eps, out=None, act_out=None, **_):
+    """Torch reference: engine.model.mhc.hc_pre's lines (its mix, mhc_mix_ref), then rms_norm;
+    act_out gets fp8_sim_ref of the result."""
     hc = h.shape[-2]
     mix = mhc_mix_ref(h, fn_hi, fn_lo, norm_eps)
     pre = torch.sigmoid(mix[..., :hc] * scale[0] + base[:hc]) + hc_eps
@@ -122,6 +195,8 @@ def mhc_pre_ref(h, fn_hi, fn_lo, scale, base, norm_weight, iters, hc_eps, norm_e
     comb = sinkhorn(comb, iters, hc_eps)
     x = (pre[..., None] * up(h)).sum(-2).to(h.dtype)
     res = rms_norm(x, norm_weight, norm_eps), post, comb
+    if act_out is not None:
+        act_out.copy_(fp8_sim_ref(res[0], 128).reshape(act_out.shape))
     if out is None:
         return res
     for o, r in zip(out, res):

@@ -174,8 +174,8 @@ def _proj_kernel(x_ptr, xa_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr, lo_ptr, hi_ptr
     rstd = tl.full([BLOCK_M], 1.0, tl.float32)
     if NORM:
         rstd = _rstd(x_row, rm, K, eps, BLOCK_M)
-    # PRE_ACT (large M): the act regions read xa, x rounded to e4m3 once by the caller, rather than
-    # every N tile rounding its own copy of the x tile again
+    # PRE_ACT (large M, or x's producer rounded it): the act regions read xa, x rounded to e4m3
+    # once, rather than every N tile rounding its own copy of the x tile again
     xa_row = xa_ptr + rows[:, None] * stride_xm
     if n0 < n8:
         if PRE_ACT and ACT8:
@@ -256,11 +256,14 @@ def proj_plan(M, N, K, device=None, block_m=None, block_n=None, split_k=None, nu
                     num_stages or (4 if M <= 16 else 2 if large else 3), large if pre_act is None else pre_act)
 
 
-def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None, **plan_kw) -> dict:
+def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None, xa=None,
+              **plan_kw) -> dict:
     """x [..., K] -> {name: [..., out]}: each projection of the group, in x's dtype (lo) or fp32
     (hi). norm = (weight [K], eps): the group reads rms_norm(x, weight, eps), normed in the
-    kernel. K must be a multiple of 128 (else the reference runs). From UNFUSED_M tokens (prefill;
-    unfused=True/False forces it) each projection is its own cuBLAS GEMM instead (proj_unfused)."""
+    kernel. xa: fp8_sim(x, 128), when x's producer made it (mhc_pre's act_out): the act rows read
+    it instead of rounding x per tile (no norm then). K must be a multiple of 128 (else the
+    reference runs). From UNFUSED_M tokens (prefill; unfused=True/False forces it) each
+    projection is its own cuBLAS GEMM instead (proj_unfused)."""
     if p.K % QBLOCK or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return proj_gemm_ref(x, p, norm)
     lead = x.shape[:-1]
@@ -268,16 +271,20 @@ def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    assert xa is None or norm is None, "xa is x's rounding: a normed group rounds its own input"
+    xa2 = xa.reshape(-1, p.K) if xa is not None else None
+    if xa2 is not None and xa2.stride() != x2.stride():     # the kernel reads both with x's row stride
+        x2, xa2 = x2.contiguous(), xa2.contiguous()
     if (M >= UNFUSED_M if unfused is None else unfused) and p.dense is not None:
-        return proj_unfused(x2, p, norm, lead)
+        return proj_unfused(x2, p, norm, lead, xa2)
     lo = torch.empty(M * p.lo_width, dtype=x.dtype, device=x.device)
     hi = torch.empty(M * p.hi_width, dtype=torch.float32, device=x.device)
     if M:
         pl = proj_plan(M, p.N, p.K, x.device, **plan_kw)
         split = pl.split > 1
         ws = get_workspace(workspace, pl.split * M * p.N, pl.grid[0] * pl.grid[1], x.device) if split else None
-        pre = pl.pre_act and p.n_act > 0 and norm is None
-        xa = fp8_sim(x2, QBLOCK) if pre else x2       # the act regions' input, rounded once
+        pre = (pl.pre_act or xa2 is not None) and p.n_act > 0 and norm is None
+        xa = (xa2 if xa2 is not None else fp8_sim(x2, QBLOCK)) if pre else x2   # the act rows' input, rounded once
         _proj_kernel[pl.grid](
             x2, xa, p.w8 if p.w8 is not None else x2, p.s8 if p.s8 is not None else x2,
             p.wd if p.wd is not None else x2, p.meta, lo, hi, ws.partials if split else hi,
@@ -290,14 +297,15 @@ def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None,
     return split_outputs(p, lo, hi, lead)
 
 
-def proj_unfused(x2: torch.Tensor, p: Proj, norm, lead) -> dict:
+def proj_unfused(x2: torch.Tensor, p: Proj, norm, lead, xa=None) -> dict:
     """The group as one GEMM per projection, for large M where the GEMMs are compute-bound: x
     rounded to e4m3 once for the act rows, cuBLAS (F.linear) for the x-dtype outputs, the bf16
     GEMM kernel for the fp32 ones. bench/proj.py: 2.4-3x faster than the packed kernel at M = 8192,
     whose small-M tiles and per-block scaling do not reach the tensor cores' rate."""
     if norm is not None:
         x2 = rms_norm(x2, *norm)
-    xa = fp8_sim(x2, QBLOCK) if p.n_act else None
+    if xa is None and p.n_act:
+        xa = fp8_sim(x2, QBLOCK)
     res = {}
     for name, (r, _, out, lo) in p.outs.items():
         xi = xa if r < p.n_act else x2

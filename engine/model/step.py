@@ -47,17 +47,24 @@ def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) 
 
 def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Ops, num: Numerics) -> torch.Tensor:
     """h [B,S,hc,D] -> [B,S,hc,D]: attention, then MoE, each wrapped in mHC."""
-    x, post, comb = hc_pre(b, h, "attn", ops)                                 # x [B,S,D] normed
-    h = ops.mhc_post(attention(b.attn, x, b.proj, inp, cache, ops, num), h, post, comb)
-    x, post, comb = hc_pre(b, h, "ffn", ops)
-    return ops.mhc_post(moe(b.ffn, x, b.proj["ffn"], inp.ids, ops, num), h, post, comb)
+    x, xa, post, comb = hc_pre(b, h, "attn", ops, act=b.proj["attn"].n_act > 0)      # x [B,S,D] normed
+    h = ops.mhc_post(attention(b.attn, x, xa, b.proj, inp, cache, ops, num), h, post, comb)
+    ffn = b.proj["ffn"]
+    e = b.ffn.experts        # the FFN input's FP8 rounding feeds the shared expert's rows and the fused MoE
+    act = ffn is not None and ffn.n_act > 0 or e.packed is not None and num.act_fp8 and e.quantized
+    x, xa, post, comb = hc_pre(b, h, "ffn", ops, act)
+    return ops.mhc_post(moe(b.ffn, x, xa, ffn, inp.ids, ops, num), h, post, comb)
 
 
-def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops):
-    """-> the sub-layer's normed input x [B,S,D], post [B,S,hc], comb [B,S,hc,hc] (fp32)."""
+def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops, act: bool):
+    """-> the sub-layer's normed input x [B,S,D], with `act` also xa = fp8_sim(x, 128) (the FP8
+    GEMMs' input in reference numerics, rounded once here; else None), post [B,S,hc], comb
+    [B,S,hc,hc] (fp32)."""
     norm = b.attn_norm if name == "attn" else b.ffn_norm     # the mix projection, Sinkhorn, collapse, norm
-    return ops.mhc_pre(h, *b.mix_weight(name), getattr(b, f"hc_{name}_scale"), getattr(b, f"hc_{name}_base"),
-                       norm.weight, b.hc_iters, b.hc_eps, b.norm_eps)
+    xa = torch.empty(h.shape[:-2] + h.shape[-1:], dtype=h.dtype, device=h.device) if act else None
+    x, post, comb = ops.mhc_pre(h, *b.mix_weight(name), getattr(b, f"hc_{name}_scale"), getattr(b, f"hc_{name}_base"),
+                                norm.weight, b.hc_iters, b.hc_eps, b.norm_eps, act_out=xa)
+    return x, xa, post, comb
 
 
 def linear(lin: Linear, x: torch.Tensor, ops: Ops, num: Numerics, rounded: bool = False) -> torch.Tensor:
@@ -71,14 +78,14 @@ def linear(lin: Linear, x: torch.Tensor, ops: Ops, num: Numerics, rounded: bool 
 
 
 # ---- attention ----
-def attention(a: Attention, x: torch.Tensor, proj, inp: StepInputs, cache: LayerCache, ops: Ops,
-              num: Numerics) -> torch.Tensor:
+def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, proj, inp: StepInputs, cache: LayerCache,
+              ops: Ops, num: Numerics) -> torch.Tensor:
     """x [B,S,D] -> [B,S,D]. Each query reads its window (ring rows, plus its chunk's own keys in
     prefill) and, in compressed layers, its compressed entries: flat row lists the sparse MQA
     kernel reads in place."""
     B, S, _ = x.shape
     cos, sin = inp.cos_sin(a.rope_key, a.inv_freq)                                        # [B,S,R/2]
-    y = ops.proj_gemm(x, proj["attn"])   # wq_a, wkv, the compressors' and indexer's x projections, one GEMM
+    y = ops.proj_gemm(x, proj["attn"], xa=xa)   # wq_a, wkv, the compressors' and indexer's x projections: one GEMM
     yq = q_up(a, y["wq_a"], proj.get("q"), ops, num)                    # the q latent's norm and up-projections
     q = yq["wq_b"].unflatten(-1, (a.n_heads, a.head_dim))                                    # [B,S,H,Dh]
     # norms, RoPE, the KV's FP8 rounding; decode also writes its key into the ring here
@@ -214,18 +221,21 @@ def indexer(ix: Indexer, y: dict, q: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 # ---- MoE ----
-def moe(m: MoE, x: torch.Tensor, proj, ids: torch.Tensor, ops: Ops, num: Numerics) -> torch.Tensor:
-    """x [B,S,D], ids [B,S] (hash routing) -> [B,S,D]: routed experts + shared expert, one all-reduce."""
+def moe(m: MoE, x: torch.Tensor, xa: torch.Tensor | None, proj, ids: torch.Tensor, ops: Ops,
+        num: Numerics) -> torch.Tensor:
+    """x [B,S,D] (xa: its FP8 rounding, or None), ids [B,S] (hash routing) -> [B,S,D]: routed
+    experts + shared expert, one all-reduce."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])                                                          # [T,D]
-    y = ops.proj_gemm(x, proj) if proj is not None else {}   # shared w1, w3 and the router logits, one GEMM
+    xa = xa.reshape(x.shape) if xa is not None else None
+    y = ops.proj_gemm(x, proj, xa=xa) if proj is not None else {}   # shared w1, w3 and the router logits: one GEMM
     w, idx = route(m.gate, x, y.get("gate"), ids.reshape(-1), ops)                       # [T,k] fp32, ids
     e, s, shared = m.experts, m.shared_experts, None
     if s is not None:            # SwiGLU, rounded for w2's FP8 input in one kernel; w2; added in the MoE sum
         act = num.act_fp8 and s.w2.fp8_gemm
         shared = linear(s.w2, ops.swiglu_act(y["w1"], y["w3"], s.limit, act, x.dtype), ops, num, rounded=act)
     if e.packed is not None:     # W4A16: in reference numerics only the input gets the FP8 rounding
-        xq = ops.fp8_sim(x, 128) if num.act_fp8 and e.quantized else x
+        xq = (xa if xa is not None else ops.fp8_sim(x, 128)) if num.act_fp8 and e.quantized else x
         out = up(ops.fused_moe(xq, w, idx, e.packed, e.limit, shared=shared))
     else:                        # the torch experts on the dequantised weights (CPU, small models)
         out = e(x, w, idx) if shared is None else e(x, w, idx) + up(shared)
