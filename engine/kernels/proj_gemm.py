@@ -9,7 +9,8 @@ and w3, the router gate). `pack_proj` concatenates such a group's weights once, 
 The concatenated rows come in three regions, each a prefix of the next:
 - [0, n8): FP8 e4m3 rows with one E8M0 scale per 128x128 block (the checkpoint's own bytes: half
   the bf16 a dequantised copy reads); widened to x's dtype in registers, scaled after each
-  128-deep dot (exact: e4m3 * 2^k is a bf16).
+  128-deep dot (exact: e4m3 * 2^k is a bf16), or, where the tile rounds x to e4m3 itself at
+  small M, dotted as e4m3 codes against e4m3 codes on the FP8 tensor cores (_fp8_dot).
 - [0, n_act): columns whose input DeepSeek rounds to e4m3 per 128 channels (its FP8 GEMMs'
   activations, reference numerics): x is rounded on the fly, per K block, as fp8_sim does.
 - [0, n_lo): columns stored in x's dtype (a Linear's output) into `lo`; the rest are stored fp32
@@ -138,18 +139,36 @@ def _xload(x_row, k, rm, ACT: tl.constexpr, SW_ROUND: tl.constexpr, NORM: tl.con
 
 
 @triton.jit
+def _fp8_dot(x_row, k, rm, w, SW_ROUND: tl.constexpr, NORM: tl.constexpr, nw_ptr, rstd):
+    """x [BM, 128] at K offsets k (NORM: normed) rounded to e4m3 codes with a power-of-two scale per
+    row (fp8_sim's rounding), dotted with the e4m3 W block [BN, 128] on the FP8 tensor cores ->
+    [BM, BN] fp32 with the row scales applied. The products of two e4m3 values are exact in fp32,
+    so this is the widened dot's sum without widening either operand (H200: ~2x faster per byte
+    at decode sizes, bench/RESULTS.md). M tiles of up to 16 rows only: there the dot is mma.sync
+    (bit-identical to the widened one); 64-row tiles take wgmma, whose FP8 accumulation inside a
+    128-deep dot is not full fp32, so they keep the widened dot."""
+    x = _xload(x_row, k, rm, False, SW_ROUND, NORM, nw_ptr, rstd)
+    q, sa = quant_e4m3_rows(x.to(tl.float32), SW_ROUND)
+    return tl.dot(q, tl.trans(w)) * sa[:, None]
+
+
+@triton.jit
 def _k_loop(x_row, w_row, s_row, s_ptr, rm, cm, kb0, kb1, acc,
-            FP8: tl.constexpr, ACT: tl.constexpr, SW_ROUND: tl.constexpr, NORM: tl.constexpr, nw_ptr, rstd):
+            FP8: tl.constexpr, ACT: tl.constexpr, SW_ROUND: tl.constexpr, NORM: tl.constexpr, nw_ptr, rstd,
+            FP8_DOT: tl.constexpr = False):
     kk = tl.arange(0, _QB)
     for kb in range(kb0, kb1):
         k = kb * _QB + kk
-        x = _xload(x_row, k, rm, ACT, SW_ROUND, NORM, nw_ptr, rstd)                  # [BM, 128]
         w = tl.load(w_row + k[None, :], mask=cm[:, None], other=0.0)                 # [BN, 128]
         if FP8:     # a fresh dot per scale block, scaled into the fp32 accumulator
             sb = load_block_scale(s_ptr, s_row + kb, cm, True)
-            acc += _dot(x, w, tl.zeros_like(acc)) * sb[None, :]
+            if ACT and FP8_DOT:     # x rounded here: its e4m3 codes against W's
+                acc += _fp8_dot(x_row, k, rm, w, SW_ROUND, NORM, nw_ptr, rstd) * sb[None, :]
+            else:
+                x = _xload(x_row, k, rm, ACT, SW_ROUND, NORM, nw_ptr, rstd)            # [BM, 128]
+                acc += _dot(x, w, tl.zeros_like(acc)) * sb[None, :]
         else:
-            acc = _dot(x, w, acc)
+            acc = _dot(_xload(x_row, k, rm, ACT, SW_ROUND, NORM, nw_ptr, rstd), w, acc)
     return acc
 
 
@@ -183,7 +202,7 @@ def _proj_kernel(x_ptr, xa_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr, lo_ptr, hi_ptr
                           rm, cm, kb0, kb1, acc, True, False, SW_ROUND, False, nw_ptr, rstd)
         else:
             acc = _k_loop(x_row, w8_ptr + cols.to(tl.int64)[:, None] * K, (cols // _QB) * stride_s8, s8_ptr,
-                          rm, cm, kb0, kb1, acc, True, ACT8, SW_ROUND, NORM, nw_ptr, rstd)
+                          rm, cm, kb0, kb1, acc, True, ACT8, SW_ROUND, NORM, nw_ptr, rstd, BLOCK_M <= 16)
     elif n0 < n_act:
         if PRE_ACT:
             acc = _k_loop(xa_row, wd_ptr + (cols - n8).to(tl.int64)[:, None] * K, cols, s8_ptr, rm, cm, kb0, kb1,
