@@ -1,11 +1,13 @@
 """mHC pre, from the streams to the sub-layer's normed input: the mix projection, then one kernel.
 
 mhc_mix_parts (bf16_gemm.py) leaves the mix h_flat @ fn^T and the sum of squares as partials per K
-split; one program per token sums them (no split-K tail kernel: bench/RESULTS.md), derives
+split; the kernel sums them per token (no split-K tail kernel: bench/RESULTS.md), derives
 pre/post/comb (Sinkhorn in registers), collapses the streams x = sum_j pre_j h_j, rounds x to h's
 dtype (hc_pre hands it over in that dtype) and applies the weighted RMSNorm (attn_norm /
-ffn_norm). Replaces engine.model.mhc.hc_pre (the mix, about 20 Sinkhorn rounds of small torch
-ops, the collapse and a cast) plus RMSNorm.
+ffn_norm); optionally it also writes x's e4m3 round trip for the FP8 projections that read it
+(act_out). Small steps give each token two programs, the collapse and Sinkhorn side by side.
+Replaces engine.model.mhc.hc_pre (the mix, about 20 Sinkhorn rounds of small torch ops, the
+collapse and a cast) plus RMSNorm (and an act_sim launch).
 """
 import torch
 import triton
