@@ -10,7 +10,9 @@ compressor and router projections. Times are per group: one CUDA graph runs `cop
 copies of the group back to back (as 43 layers do: no copy's weights are in L2 when it runs; the
 graph's launch cost is spread over the copies), do_bench median / copies. GB/s counts the group's
 weight bytes as stored (FP8 rows at 1 byte) against the copy bandwidth measured in the same run.
---sweep also times tile / split / stage variants, for choosing proj_plan's defaults.
+--sweep also times tile / split / stage variants, for choosing proj_plan's defaults. --given also
+times each with x's rounding made beforehand, as the step's producers hand it over: as values
+(xa, mhc_pre's act_out) and as values plus e4m3 codes and scales (xq, its act_q).
 """
 import argparse
 import json
@@ -24,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from bench.timing import graphed, measured_peaks, median_ms  # noqa: E402
 from engine.kernels import act_sim, bf16_gemm  # noqa: E402
+from engine.numerics import fp8_codes_ref  # noqa: E402
 from engine.kernels import proj_gemm as pg  # noqa: E402
 from test_kernel_proj import REAL, group  # noqa: E402
 
@@ -72,6 +75,7 @@ def main():
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--given", action="store_true", help="also with x's rounding given (xa; xa + xq)")
     a = ap.parse_args()
     bw, _ = measured_peaks()
     print(f"{torch.cuda.get_device_name()}  copy {bw / 1e12:.2f} TB/s")
@@ -88,22 +92,25 @@ def main():
             x = torch.randn(M, K, device="cuda").bfloat16()
             base = time_us(lambda: [unfused(x, s) for s, _ in packs], a.copies)
             best = None
-            for kw in variants(M, a.sweep):
+            given = [dict(xa=act_sim.fp8_sim(x, 128)), dict(xa=act_sim.fp8_sim(x, 128), xq=fp8_codes_ref(x, 128))]
+            for kw in [dict(v, **g) for v in variants(M, a.sweep) for g in [{}] + (given if a.given else [])]:
+                label = {k: v for k, v in kw.items() if k not in ("xa", "xq")}
+                label = {**label, "input": "xq" if "xq" in kw else "xa"} if "xa" in kw else label
                 try:
                     us = time_us(lambda: [pg.proj_gemm(x, p, **kw) for _, p in packs], a.copies)
                 except Exception as e:   # a variant the shape cannot take (e.g. smem)
-                    print(f"{name:7} {M:>4} {str(kw):40} failed: {type(e).__name__}: {str(e)[:60]}")
+                    print(f"{name:7} {M:>4} {str(label):40} failed: {type(e).__name__}: {str(e)[:60]}")
                     continue
                 gbs = nbytes / us / 1e3
                 tflops = 2 * M * n_out * K / us / 1e6
-                row = dict(group=name, M=M, variant=kw or "default", us=round(us, 2), gbs=round(gbs, 1),
+                row = dict(group=name, M=M, variant=label or "default", us=round(us, 2), gbs=round(gbs, 1),
                            pct_bw=round(100 * gbs * 1e9 / bw, 1), unfused_us=round(base, 2), speedup=round(base / us, 2),
                            weight_bytes=nbytes, tflops=round(tflops, 1))
                 rows.append(row)
                 if best is None or us < best["us"]:
                     best = row
-                if not kw or not a.sweep:
-                    print(f"{name:7} {M:>4} {str(kw or 'default'):40} {us:8.2f} {gbs:7.0f} {row['pct_bw']:5.1f} "
+                if not label or not a.sweep or set(label) == {"input"}:
+                    print(f"{name:7} {M:>4} {str(label or 'default'):40} {us:8.2f} {gbs:7.0f} {row['pct_bw']:5.1f} "
                           f"{base:10.2f} {base / us:5.2f} {tflops:7.1f} TFLOP/s")
             if a.sweep and best:
                 print(f"{name:7} {M:>4} best {str(best['variant']):35} {best['us']:8.2f} {best['gbs']:7.0f} "

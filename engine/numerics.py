@@ -61,6 +61,14 @@ def fp8_sim_ref(x: torch.Tensor, block: int) -> torch.Tensor:
     return (q * s).flatten(-2).to(x.dtype)
 
 
+def fp8_codes_ref(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_sim_ref's rounding as the FP8 tensor cores take it: x [..., D] -> (e4m3 codes [..., D],
+    fp32 power-of-two scales [..., D/block]), codes * scales == fp8_sim_ref(x, block) exactly."""
+    xb = up(x).unflatten(-1, (-1, block))
+    s = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp(min=1e-4), FP8_MAX)
+    return _to_e4m3((xb / s).clamp(-FP8_MAX, FP8_MAX)).flatten(-2), s.squeeze(-1).float()
+
+
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round to the nearest e2m1 value (0, .5, 1, 1.5, 2, 3, 4, 6), ties to the even code."""
     a = x.abs()

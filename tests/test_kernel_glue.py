@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.kernels.bf16_gemm import split_bf16  # noqa: E402
 from engine.kernels.act_sim import fp4_sim, fp4_sim_ref, fp8_sim, fp8_sim_ref  # noqa: E402
+from engine.numerics import fp8_codes_ref  # noqa: E402
 from engine.kernels.mhc_post import mhc_post, mhc_post_ref  # noqa: E402
 from engine.kernels.mhc_pre import ROLES_MAX_T, mhc_pre, mhc_pre_ref  # noqa: E402
 from engine.kernels.rope_kv import rope_qkv, rope_qkv_ref  # noqa: E402
@@ -94,23 +95,33 @@ def check_mhc_pre(T, dtype, D=96, dev="cpu", out=False, split_k=None):
         assert torch.equal(g_.view(o_.shape), o_)
     if D % 128 == 0:    # y's FP8 rounding for the projections, from the same kernel: fp8_sim of its y exactly
         xa = torch.full((T, D), float("nan"), dtype=dtype, device=dev)
-        y = mhc_pre(h, hi, lo, *rest, split_k=split_k, act_out=xa)[0]
+        xq = (torch.full((T, D), float("nan"), device=dev).to(torch.float8_e4m3fn),
+              torch.full((T, D // 128), float("nan"), device=dev))
+        y = mhc_pre(h, hi, lo, *rest, split_k=split_k, act_out=xa, act_q=xq)[0]
         assert torch.equal(y, got[0].view(y.shape)) and torch.equal(xa, fp8_sim_ref(y, 128))
-        xr = torch.empty_like(xa)
-        mhc_pre_ref(h, hi, lo, *rest, act_out=xr)
+        # and as codes and scales: fp8_codes_ref of y, whose product is xa
+        cq, cs = fp8_codes_ref(y, 128)
+        assert torch.equal(xq[0].float(), cq.float()) and torch.equal(xq[1], cs)
+        assert torch.equal((xq[0].float().unflatten(-1, (-1, 128)) * xq[1][..., None]).flatten(-2).to(dtype), xa)
+        xr, qr = torch.empty_like(xa), (torch.empty_like(xq[0]), torch.empty_like(xq[1]))
+        mhc_pre_ref(h, hi, lo, *rest, act_out=xr, act_q=qr)
         assert torch.equal(xr, fp8_sim_ref(want[0], 128))
+        assert torch.equal(qr[0].float(), fp8_codes_ref(want[0], 128)[0].float())
     return lambda: mhc_pre(h, hi, lo, *rest, split_k=split_k)
 
 
-def check_mhc_post(T, dtype, D=96, dev="cpu", inplace=False, block_d=32):
+def check_mhc_post(T, dtype, D=96, dev="cpu", inplace=False, block_d=32, f_dtype=None):
     r = gen(dev)
-    f, res = r(T, D).to(dtype), r(T, 4, D).to(dtype)
+    f, res = r(T, D).to(f_dtype or dtype), r(T, 4, D).to(dtype)
     post, comb = 2 * torch.sigmoid(r(T, 4)), sinkhorn_ref(r(T, 4, 4), 20, 1e-6)
     want = mhc_post_ref(f, res, post, comb)
     with poisoned():
         got = mhc_post(f, res.clone(), post, comb, block_d=block_d) if not inplace else \
             mhc_post(f, res, post, comb, out=res, block_d=block_d)
     close(got, want, tol_for(dtype, dev))
+    if f_dtype is not None:     # a wider f: the reference's cast, then the very same math
+        assert not torch.equal(f.to(dtype).float(), f.float())
+        assert torch.equal(got, mhc_post(f.to(dtype), res, post, comb, block_d=block_d))
     return lambda: mhc_post(f, res, post, comb, block_d=block_d)
 
 
@@ -306,6 +317,8 @@ def _cpu_cases():
                 for fp8 in (False, True):
                     cases[f"rope-T{T}-{n}-{'table' if table else 'inkernel'}-{'fp8' if fp8 else 'nofp8'}"] = (
                         check_rope, dict(T=T, dtype=dt, table=table, fp8=fp8))
+        cases[f"mhc_pre-T{T}-D384"] = (check_mhc_pre, dict(T=T, dtype=BF16, D=384))    # scales masked past D
+        cases[f"mhc_post-T{T}-fp32-f"] = (check_mhc_post, dict(T=T, dtype=BF16, f_dtype=F32))
         cases[f"rope-T{T}-real-layout"] = (check_rope, dict(T=T, dtype=BF16, table=True, fp8=True,
                                                             H=2, DH=128, R=64, fb=64))
         for E, k in ((8, 2), (16, 3), (12, 3)):
@@ -444,6 +457,7 @@ def test_gpu_mhc(T):
     graph_equals_eager(check_mhc_post(T, BF16, D=4096, dev="cuda", block_d=512))
     check_mhc_pre(T, BF16, D=4096, dev="cuda", out=True)
     check_mhc_post(T, BF16, D=4096, dev="cuda", inplace=True, block_d=512)
+    check_mhc_post(T, BF16, D=4096, dev="cuda", block_d=512, f_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("T", TS)

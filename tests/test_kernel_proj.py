@@ -17,7 +17,7 @@ from conftest import rel_err
 from interp import patch_interpreter, run_child
 from engine.kernels import proj_gemm as pg
 from engine.model.formats import fp8_block_quant
-from engine.numerics import fp8_block_dequant, fp8_sim_ref as fp8_sim
+from engine.numerics import fp8_block_dequant, fp8_codes_ref, fp8_sim_ref as fp8_sim
 
 
 def segment(name, out, K, fp8, act, lo, device="cpu", seed=0, dtype=torch.bfloat16):
@@ -132,6 +132,9 @@ def interp_proj():
         for kw in (dict(split_k=1), dict(split_k=3), dict(unfused=True)):
             want = pg.proj_gemm(x, p, **kw)
             assert all(torch.equal(want[k], v) for k, v in pg.proj_gemm(x, p, xa=xa, **kw).items()), (kind, kw)
+            # and as e4m3 codes + scales (mhc_pre's act_q), which the FP8 rows dot directly
+            got = pg.proj_gemm(x, p, xa=xa, xq=fp8_codes_ref(x, 128), **kw)
+            assert all(torch.equal(want[k], v) for k, v in got.items()), (kind, kw, "xq")
     # the q latent group reads rms_norm(latent): normed inside the kernel, every split too
     for i, (M, K, act, dt) in enumerate([(1, 256, True, torch.bfloat16), (17, 384, True, torch.bfloat16),
                                         (3, 256, False, torch.float32)]):
@@ -176,6 +179,9 @@ def test_gpu_real_groups(name, M):
     check_group(pg.proj_gemm(x, p, unfused=M < pg.UNFUSED_M), refs)                # the other path
     if kind != "q":     # x rounded by its producer (mhc_pre): the same bits as rounding it per tile
         want, got = pg.proj_gemm(x, p), pg.proj_gemm(x, p, xa=fp8_sim(x, 128))
+        assert all(torch.equal(want[k], got[k]) for k in want)
+        # and as its e4m3 codes + scales (act_q; taken at M tiles <= 16): the FP8 dot, the same bits
+        got = pg.proj_gemm(x, p, xa=fp8_sim(x, 128), xq=fp8_codes_ref(x, 128))
         assert all(torch.equal(want[k], got[k]) for k in want)
     if kind == "q":     # the step's q group: the latent's RMSNorm inside the kernel
         nw = 1 + 0.3 * rand_x(1, K, device="cuda", seed=3)[0]

@@ -194,6 +194,41 @@ def test_workspace_reuse(interp):
         run(interp, make_case(5, 8, 128, 16, 40, seed=1), num_splits=2, workspace=ws)     # T 5 > 4
 
 
+def rope_tables(T, R, device="cpu", seed=3):
+    g = torch.Generator(device).manual_seed(seed)
+    ang = torch.rand(T, R // 2, generator=g, device=device) * 6.3
+    return ang.cos(), ang.sin()
+
+
+def check_inverse_rope(mod, case, R, splits, **kw):
+    """The epilogue's inverse RoPE equals the separate rope_q (inverse) of the plain output, bit for
+    bit (same rounding, same pair math), and rope_q_ref of the reference."""
+    from engine.kernels.rope_q import rope_q, rope_q_ref
+    T = case["q"].shape[0]
+    cos, sin = rope_tables(T, R, case["q"].device)
+    plain = run(mod, case, num_splits=splits, **kw)
+    fused = run(mod, case, num_splits=splits, rope=(cos, sin), **kw)
+    assert torch.equal(fused, rope_q(plain, cos, sin, inverse=True)), splits
+    ref = mod.sparse_mqa_ref(**case, rope=(cos, sin))
+    assert torch.equal(ref, rope_q_ref(mod.sparse_mqa_ref(**case), cos, sin, inverse=True))
+    assert not torch.equal(fused, plain)
+    return fused, ref
+
+
+@cpu
+@pytest.mark.parametrize("dtype,D,R", [(torch.float32, 128, 64), (torch.bfloat16, 256, 64),
+                                       (torch.bfloat16, 64, 16), (torch.float32, 32, 16)])
+def test_inverse_rope_epilogue(interp, monkeypatch, dtype, D, R):
+    """Single split (the split kernel stores o) and several (the combine does, in 64-channel chunks
+    at D = 256 so the rope pairs sit in the last chunk only); D = 32 takes rope_q after."""
+    monkeypatch.setattr(interp, "BLOCK_N", 16)
+    monkeypatch.setattr(interp, "COMBINE_BLOCK_D", 64)
+    case = make_case(3, 8, D, 16, 40, dtype=dtype, seed=D + R)
+    for splits in (1, 3):
+        fused, ref = check_inverse_rope(interp, case, R, splits)
+        assert rel_err(fused.float(), ref.float()).max() <= (1e-4 if dtype == torch.float32 else 1e-2)
+
+
 @cpu
 def test_naive_matches_reference(interp):
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-2)):
@@ -248,6 +283,15 @@ def test_gpu_forced_splits(splits):
     from engine.kernels import sparse_attn as sa
     case = make_case(3, 64, 512, 128, 2048, dtype=torch.bfloat16, device="cuda", seed=splits)
     assert rel_err(run(sa, case, num_splits=splits).float(), reference(sa, case)).max() <= 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("T,splits", [(1, 1), (1, None), (4, 1), (4, 5), (64, None)])
+def test_gpu_inverse_rope(T, splits):
+    """Real shape (D 512, rope on the last 64): the epilogue equals rope_q after, bit for bit."""
+    from engine.kernels import sparse_attn as sa
+    case = make_case(T, 8, 512, 128, 512, dtype=torch.bfloat16, device="cuda", seed=T)
+    check_inverse_rope(sa, case, 64, splits)
 
 
 @gpu

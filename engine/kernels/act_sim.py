@@ -50,12 +50,20 @@ def _pow2_at_least(amax, QB: tl.constexpr, QM: tl.constexpr):
 
 
 @triton.jit
-def fp8_round_trip(y, N: tl.constexpr, FB: tl.constexpr):
-    """y [N] fp32 -> e4m3 round trip per FB channels, scale 2^ceil(log2(amax / 448))."""
+def fp8_quant(y, N: tl.constexpr, FB: tl.constexpr):
+    """y [N] fp32 -> (its e4m3 values [N/FB, FB] as fp32, scales [N/FB]) per FB channels, scale
+    2^ceil(log2(amax / 448)): the codes the FP8 tensor cores take (numerics.fp8_codes_ref)."""
     b = tl.reshape(y, (N // FB, FB))
     s, inv = _pow2_at_least(tl.maximum(tl.max(tl.abs(b), axis=1), 1e-4), 8, 0x600000)
     q = tl.minimum(tl.maximum(b * inv[:, None], -448.0), 448.0)
-    return tl.reshape(_e4m3(q) * s[:, None], (N,))
+    return _e4m3(q), s
+
+
+@triton.jit
+def fp8_round_trip(y, N: tl.constexpr, FB: tl.constexpr):
+    """y [N] fp32 -> e4m3 round trip per FB channels, scale 2^ceil(log2(amax / 448))."""
+    e, s = fp8_quant(y, N, FB)
+    return tl.reshape(e * s[:, None], (N,))
 
 
 @triton.jit

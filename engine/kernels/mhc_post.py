@@ -1,7 +1,10 @@
 """mHC post: expand a sub-layer output back to the streams and mix in the residual, one kernel.
 
-out[k] = post[k] * f + sum_j comb[j, k] * res[j], fp32 math, stored in res's dtype. Replaces
-the torch hc_post, mhc_post_ref below (a broadcast multiply, a batched matmul, an add and a cast).
+out[k] = post[k] * f + sum_j comb[j, k] * res[j], fp32 math, stored in res's dtype. f is taken in
+res's dtype: a wider f (the MoE's fp32 sum after its all-reduce) is rounded to it in registers,
+the cast the sub-layer's output gets in the reference, so that cast is no launch of its own.
+Replaces the torch hc_post, mhc_post_ref below (a broadcast multiply, a batched matmul, an add
+and a cast).
 Each program owns one token's D-chunk of all streams, so out may alias res (in place).
 """
 import torch
@@ -9,7 +12,7 @@ import triton
 import triton.language as tl
 
 from engine.numerics import up
-from .common import gdc_enter, pdl_args, round_to  # noqa: F401 (other kernels imported it from here)
+from .common import gdc_enter, pdl_args, round_to
 
 
 
@@ -23,6 +26,7 @@ def _mhc_post_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D,
     dm = d < D
     k = tl.arange(0, HC)
     f = tl.load(f_ptr + t * stride_ft + d, mask=dm, other=0.0).to(tl.float32)               # [BD]
+    f = round_to(f, out_ptr.dtype.element_ty)        # the sub-layer output's cast to the streams' dtype
     post = tl.load(post_ptr + t * HC + k)                                                  # [HC]
     acc = post[:, None] * f[None, :]                                                       # [HC(k), BD]
     for j in tl.static_range(HC):
@@ -36,7 +40,8 @@ def _mhc_post_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D,
 
 def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
              out: torch.Tensor | None = None, block_d: int = 512) -> torch.Tensor:
-    """f [...,D], res [...,hc,D], post [...,hc] fp32, comb [...,hc,hc] fp32 -> [...,hc,D] (res dtype).
+    """f [...,D] (res's dtype or wider: rounded to res's first), res [...,hc,D], post [...,hc] fp32,
+    comb [...,hc,hc] fp32 -> [...,hc,D] (res dtype).
 
     `out` (same shape and dtype as res, may be res itself) is written in place when given."""
     hc, D = res.shape[-2:]
@@ -59,6 +64,6 @@ def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
 
 def mhc_post_ref(f, res, post, comb, out=None, block_d=None):
     """Torch reference, and the model's hc_post (engine.model.mhc imports it):
-    out[k] = post[k] * f + sum_j comb[j, k] * res[j]  ->  [...,hc,D] in res's dtype."""
-    y = (post[..., None] * up(f)[..., None, :] + comb.transpose(-1, -2) @ up(res)).to(res.dtype)
+    out[k] = post[k] * f + sum_j comb[j, k] * res[j]  ->  [...,hc,D] in res's dtype (f cast to it first)."""
+    y = (post[..., None] * up(f.to(res.dtype))[..., None, :] + comb.transpose(-1, -2) @ up(res)).to(res.dtype)
     return y if out is None else out.copy_(y)

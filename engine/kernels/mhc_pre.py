@@ -5,7 +5,8 @@ split; the kernel sums them per token (no split-K tail kernel: bench/RESULTS.md)
 pre/post/comb (Sinkhorn in registers), collapses the streams x = sum_j pre_j h_j, rounds x to h's
 dtype (hc_pre hands it over in that dtype) and applies the weighted RMSNorm (attn_norm /
 ffn_norm); optionally it also writes x's e4m3 round trip for the FP8 projections that read it
-(act_out). Small steps give each token two programs, the collapse and Sinkhorn side by side.
+(act_out), and that rounding as e4m3 codes and per-128 scales (act_q) for the projections'
+FP8 tensor-core dots. Small steps give each token two programs, the collapse and Sinkhorn side by side.
 Replaces engine.model.mhc.hc_pre (the mix, about 20 Sinkhorn rounds of small torch ops, the
 collapse and a cast) plus RMSNorm (and an act_sim launch).
 """
@@ -13,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.numerics import fp8_sim_ref, up
+from engine.numerics import fp8_codes_ref, fp8_sim_ref, up
 from .bf16_gemm import mhc_mix_parts, mhc_mix_ref
-from .act_sim import fp8_round_trip
+from .act_sim import fp8_quant
 from .common import gdc_enter, pdl_args, round_to
 from .rms_norm import rms_norm_ref as rms_norm
 from .sinkhorn import sinkhorn_ref as sinkhorn, sinkhorn_tile
@@ -82,10 +83,11 @@ def _load_collapse(m, C, stride_c, scale_ptr, base_ptr, h_ptr, w_ptr, D, stride_
 
 
 @triton.jit
-def _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, D, stride_yt, t, hc_eps, norm_eps,
-              HC: tl.constexpr, BLOCK_D: tl.constexpr, ACT: tl.constexpr):
+def _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, xq_ptr, xs_ptr, D, stride_yt, t, hc_eps,
+              norm_eps, HC: tl.constexpr, BLOCK_D: tl.constexpr, ACT: tl.constexpr, CODES: tl.constexpr):
     """y = RMSNorm(sum_j pre_j h_j) of token t, pre = sigmoid(.) + eps, stored in h's dtype; ACT:
-    also y's e4m3 round trip per 128 channels (fp8_sim(y, 128)) into xa."""
+    also y's e4m3 round trip per 128 channels (fp8_sim(y, 128)) into xa; CODES: and its e4m3
+    codes into xq, the scales into xs [D/128]."""
     k = tl.arange(0, HC)
     d = tl.arange(0, BLOCK_D)
     rnorm = tl.math.rsqrt(ss / K + mix_eps)
@@ -100,15 +102,20 @@ def _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, D, stride
     y = round_to(w * (x * r), y_ptr.dtype.element_ty)
     tl.store(y_ptr + t * stride_yt + d, y, mask=d < D)
     if ACT:     # the FP8 GEMMs' input, rounded here once rather than by every tile of the projections
-        tl.store(xa_ptr + t * stride_yt + d, round_to(fp8_round_trip(y, BLOCK_D, 128), y_ptr.dtype.element_ty),
-                 mask=d < D)
+        e, sc = fp8_quant(y, BLOCK_D, 128)                                                # [BD/128,128], [BD/128]
+        tl.store(xa_ptr + t * stride_yt + d, round_to(tl.reshape(e * sc[:, None], (BLOCK_D,)),
+                                                      y_ptr.dtype.element_ty), mask=d < D)
+        if CODES:
+            tl.store(xq_ptr + t * D + d, tl.reshape(e, (BLOCK_D,)).to(tl.float8e4nv), mask=d < D)
+            b = tl.arange(0, BLOCK_D // 128)
+            tl.store(xs_ptr + t * (D // 128) + b, sc, mask=b < D // 128)
 
 
 @triton.jit
-def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, xa_ptr, post_ptr, comb_ptr,
+def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, xa_ptr, xq_ptr, xs_ptr, post_ptr, comb_ptr,
                     D, stride_ht, stride_hj, stride_yt, hc_eps, norm_eps, C, K, mix_eps,
                     HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-                    ROLES: tl.constexpr, ACT: tl.constexpr, USE_GDC: tl.constexpr = False):
+                    ROLES: tl.constexpr, ACT: tl.constexpr, CODES: tl.constexpr, USE_GDC: tl.constexpr = False):
     # ROLES = 2, two programs per token: (t, 0) collapses the streams and norms them, (t, 1) derives
     # post and comb, so Sinkhorn's 20 rounds of dependent reductions run beside the collapse, not
     # before it (small steps, where the kernel's latency is the cost). ROLES = 1: one program does
@@ -126,13 +133,13 @@ def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, xa_ptr, 
                                                                           HC, BLOCK_C)
         _post_comb(ss2, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, post_ptr, comb_ptr, t, hc_eps,
                    HC, ITERS)
-        _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, D, stride_yt, t, hc_eps, norm_eps,
-                  HC, BLOCK_D, ACT)
+        _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, xq_ptr, xs_ptr, D, stride_yt, t, hc_eps,
+                  norm_eps, HC, BLOCK_D, ACT, CODES)
     elif tl.program_id(1) == 0:
         ss, mix_pre, h, w, s0, b_pre = _load_collapse(m, C, stride_c, scale_ptr, base_ptr, h_ptr, w_ptr, D,
                                                       stride_ht, stride_hj, t, HC, BLOCK_D, BLOCK_C)
-        _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, D, stride_yt, t, hc_eps, norm_eps,
-                  HC, BLOCK_D, ACT)
+        _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, xq_ptr, xs_ptr, D, stride_yt, t, hc_eps,
+                  norm_eps, HC, BLOCK_D, ACT, CODES)
     else:
         ss2, mix_post, mix_comb, s1, s2, b_post, b_comb = _load_post_comb(m, C, stride_c, scale_ptr, base_ptr,
                                                                           HC, BLOCK_C)
@@ -142,7 +149,7 @@ def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, xa_ptr, 
 
 def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, scale: torch.Tensor,
             base: torch.Tensor, norm_weight: torch.Tensor, iters: int, hc_eps: float, norm_eps: float,
-            out=None, act_out=None, roles=None, **mix_plan):
+            out=None, act_out=None, act_q=None, roles=None, **mix_plan):
     """h [...,hc,D], the mix weight fn_hi (+ fn_lo) [(2+hc)*hc, hc*D] bf16 (split_bf16 of the fp32
     fn), scale [3], base [(2+hc)*hc], norm_weight [D]
     -> y = RMSNorm(sum_j pre_j h_j) [...,D] (h dtype), post [...,hc] fp32, comb [...,hc,hc] fp32.
@@ -151,8 +158,10 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
     preallocated (contiguous) to write into, e.g. inside a CUDA graph. `act_out` [...,D] (h dtype,
     contiguous; D a multiple of 128): also written with fp8_sim(y, 128), the e4m3 round trip the
     FP8 projections of y take in reference numerics (proj_gemm's xa, the fused MoE's input), so
-    no projection tile rounds y again. roles: 1 or 2 programs per token (tests); mix_plan: the mix
-    GEMM's plan (split_k, ...: tests and tuning)."""
+    no projection tile rounds y again. act_q = (codes [...,D] float8_e4m3fn, scales [...,D/128] fp32),
+    contiguous, with act_out: that rounding as e4m3 codes and power-of-two scales (codes * scales
+    == act_out), which proj_gemm's FP8 rows dot on the FP8 tensor cores. roles: 1 or 2 programs per
+    token (tests); mix_plan: the mix GEMM's plan (split_k, ...: tests and tuning)."""
     hc, D = h.shape[-2:]
     N = (2 + hc) * hc
     assert hc & (hc - 1) == 0 and fn_hi.shape[0] == N
@@ -169,26 +178,31 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
         assert y.is_contiguous() and post.is_contiguous() and comb.is_contiguous()
     assert act_out is None or (act_out.is_contiguous() and act_out.numel() == T * D and act_out.dtype == h.dtype
                                and D % 128 == 0)
+    assert act_q is None or (act_out is not None and act_q[0].dtype == torch.float8_e4m3fn and act_q[0].numel() == T * D
+                             and act_q[1].dtype == torch.float32 and act_q[1].numel() == T * D // 128
+                             and act_q[0].is_contiguous() and act_q[1].is_contiguous())
     if T:
         mix = mhc_mix_parts(h3, fn_hi, fn_lo, norm_eps, **mix_plan)                 # [C, T, N+1]
         C = mix.parts.shape[0]
         block = triton.next_power_of_2(D)
         roles = roles or (2 if T <= ROLES_MAX_T else 1)
         xa = act_out if act_out is not None else y
+        xq, xs = act_q if act_q is not None else (y, y)
         _mhc_pre_kernel[(T, roles)](mix.parts, scale.float().contiguous(), base.float().contiguous(), h3,
-                              norm_weight.contiguous(), y, xa, post, comb, D, h3.stride(0), h3.stride(1), D,
+                              norm_weight.contiguous(), y, xa, xq, xs, post, comb, D, h3.stride(0), h3.stride(1), D,
                               hc_eps, norm_eps, C, mix.K, norm_eps,
                               HC=hc, ITERS=iters, BLOCK_D=block, BLOCK_C=triton.next_power_of_2(C), ROLES=roles,
-                              ACT=act_out is not None,
+                              ACT=act_out is not None, CODES=act_q is not None,
                               num_warps=min(16, max(1, block // 512)), **pdl_args())
     if out is not None:
         return out
     return y.view(*lead, D), post.view(*lead, hc), comb.view(*lead, hc, hc)
 
 
-def mhc_pre_ref(h, fn_hi, fn_lo, scale, base, norm_weight, iters, hc_eps, norm_eps, out=None, act_out=None, **_):
+def mhc_pre_ref(h, fn_hi, fn_lo, scale, base, norm_weight, iters, hc_eps, norm_eps, out=None, act_out=None,
+                act_q=None, **_):
     """Torch reference: engine.model.mhc.hc_pre's lines (its mix, mhc_mix_ref), then rms_norm;
-    act_out gets fp8_sim_ref of the result."""
+    act_out gets fp8_sim_ref of the result, act_q its fp8_codes_ref."""
     hc = h.shape[-2]
     mix = mhc_mix_ref(h, fn_hi, fn_lo, norm_eps)
     pre = torch.sigmoid(mix[..., :hc] * scale[0] + base[:hc]) + hc_eps
@@ -199,6 +213,9 @@ def mhc_pre_ref(h, fn_hi, fn_lo, scale, base, norm_weight, iters, hc_eps, norm_e
     res = rms_norm(x, norm_weight, norm_eps), post, comb
     if act_out is not None:
         act_out.copy_(fp8_sim_ref(res[0], 128).reshape(act_out.shape))
+    if act_q is not None:
+        for o, r in zip(act_q, fp8_codes_ref(res[0], 128)):
+            o.copy_(r.reshape(o.shape))
     if out is None:
         return res
     for o, r in zip(out, res):

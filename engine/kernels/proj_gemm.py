@@ -9,8 +9,9 @@ and w3, the router gate). `pack_proj` concatenates such a group's weights once, 
 The concatenated rows come in three regions, each a prefix of the next:
 - [0, n8): FP8 e4m3 rows with one E8M0 scale per 128x128 block (the checkpoint's own bytes: half
   the bf16 a dequantised copy reads); widened to x's dtype in registers, scaled after each
-  128-deep dot (exact: e4m3 * 2^k is a bf16), or, where the tile rounds x to e4m3 itself at
-  small M, dotted as e4m3 codes against e4m3 codes on the FP8 tensor cores (_fp8_dot).
+  128-deep dot (exact: e4m3 * 2^k is a bf16), or, at M tiles of up to 16 rows, dotted as e4m3
+  codes against e4m3 codes on the FP8 tensor cores: x's codes and scales as its producer made
+  them (`xq`, mhc_pre's act_q), else rounded by the tile itself (_fp8_dot).
 - [0, n_act): columns whose input DeepSeek rounds to e4m3 per 128 channels (its FP8 GEMMs'
   activations, reference numerics): x is rounded on the fly, per K block, as fp8_sim does.
 - [0, n_lo): columns stored in x's dtype (a Linear's output) into `lo`; the rest are stored fp32
@@ -153,6 +154,22 @@ def _fp8_dot(x_row, k, rm, w, SW_ROUND: tl.constexpr, NORM: tl.constexpr, nw_ptr
 
 
 @triton.jit
+def _k_loop_codes(xq_row, xs_row, w_row, s_row, s_ptr, rm, cm, kb0, kb1, acc):
+    """FP8 rows against x given as e4m3 codes xq [BM, K] and power-of-two scales xs [BM, K/128]:
+    per 128-deep block, the e4m3 x e4m3 dot on the FP8 tensor cores, times the row and block
+    scales: _fp8_dot's sum (the same bits) without rounding x again in every tile."""
+    kk = tl.arange(0, _QB)
+    for kb in range(kb0, kb1):
+        k = kb * _QB + kk
+        w = tl.load(w_row + k[None, :], mask=cm[:, None], other=0.0)                 # [BN, 128]
+        sb = load_block_scale(s_ptr, s_row + kb, cm, True)
+        q = tl.load(xq_row + k[None, :], mask=rm[:, None], other=0.0)                # [BM, 128] e4m3
+        sa = tl.load(xs_row + kb, mask=rm, other=0.0)                                 # [BM]
+        acc += tl.dot(q, tl.trans(w)) * sa[:, None] * sb[None, :]
+    return acc
+
+
+@triton.jit
 def _k_loop(x_row, w_row, s_row, s_ptr, rm, cm, kb0, kb1, acc,
             FP8: tl.constexpr, ACT: tl.constexpr, SW_ROUND: tl.constexpr, NORM: tl.constexpr, nw_ptr, rstd,
             FP8_DOT: tl.constexpr = False):
@@ -173,12 +190,12 @@ def _k_loop(x_row, w_row, s_row, s_ptr, rm, cm, kb0, kb1, acc,
 
 
 @triton.jit
-def _proj_kernel(x_ptr, xa_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr, lo_ptr, hi_ptr, part_ptr, ticket_ptr, nw_ptr,
-                 M, N, K, n8, n_act, n_lo, kb_per_split, n_split,
+def _proj_kernel(x_ptr, xa_ptr, xq_ptr, xs_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr, lo_ptr, hi_ptr, part_ptr,
+                 ticket_ptr, nw_ptr, M, N, K, n8, n_act, n_lo, kb_per_split, n_split,
                  stride_xm, stride_s8, eps,
                  ACT8: tl.constexpr, SW_ROUND: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr,
-                 PRE_ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
-                 USE_GDC: tl.constexpr = False):
+                 PRE_ACT: tl.constexpr, PRE_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 ALIGN: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0 = pid_n * BLOCK_N
@@ -197,7 +214,11 @@ def _proj_kernel(x_ptr, xa_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr, lo_ptr, hi_ptr
     # once, rather than every N tile rounding its own copy of the x tile again
     xa_row = xa_ptr + rows[:, None] * stride_xm
     if n0 < n8:
-        if PRE_ACT and ACT8:
+        if PRE_Q and ACT8 and BLOCK_M <= 16:   # x's e4m3 codes and scales, made by its producer
+            acc = _k_loop_codes(xq_ptr + rows[:, None] * K, xs_ptr + rows * (K // _QB),
+                                w8_ptr + cols.to(tl.int64)[:, None] * K, (cols // _QB) * stride_s8, s8_ptr,
+                                rm, cm, kb0, kb1, acc)
+        elif PRE_ACT and ACT8:
             acc = _k_loop(xa_row, w8_ptr + cols.to(tl.int64)[:, None] * K, (cols // _QB) * stride_s8, s8_ptr,
                           rm, cm, kb0, kb1, acc, True, False, SW_ROUND, False, nw_ptr, rstd)
         else:
@@ -275,12 +296,14 @@ def proj_plan(M, N, K, device=None, block_m=None, block_n=None, split_k=None, nu
                     num_stages or (4 if M <= 16 else 2 if large else 3), large if pre_act is None else pre_act)
 
 
-def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None, xa=None,
+def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None, xa=None, xq=None,
               **plan_kw) -> dict:
     """x [..., K] -> {name: [..., out]}: each projection of the group, in x's dtype (lo) or fp32
     (hi). norm = (weight [K], eps): the group reads rms_norm(x, weight, eps), normed in the
     kernel. xa: fp8_sim(x, 128), when x's producer made it (mhc_pre's act_out): the act rows read
-    it instead of rounding x per tile (no norm then). K must be a multiple of 128 (else the
+    it instead of rounding x per tile (no norm then). xq = (e4m3 codes [..., K], fp32 scales
+    [..., K/128], contiguous) of xa (mhc_pre's act_q): the FP8 rows dot them on the FP8 tensor
+    cores, at M tiles of up to 16 rows (else ignored). K must be a multiple of 128 (else the
     reference runs). From UNFUSED_M tokens (prefill; unfused=True/False forces it) each
     projection is its own cuBLAS GEMM instead (proj_unfused)."""
     if p.K % QBLOCK or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -304,14 +327,19 @@ def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None,
         ws = get_workspace(workspace, pl.split * M * p.N, pl.grid[0] * pl.grid[1], x.device) if split else None
         pre = (pl.pre_act or xa2 is not None) and p.n_act > 0 and norm is None
         xa = (xa2 if xa2 is not None else fp8_sim(x2, QBLOCK)) if pre else x2   # the act rows' input, rounded once
+        pre_q = xq is not None and pre and pl.block_m <= 16
+        if pre_q:
+            assert xq[0].dtype == torch.float8_e4m3fn and xq[0].numel() == M * p.K and xq[0].is_contiguous()
+            assert xq[1].dtype == torch.float32 and xq[1].numel() == M * p.K // QBLOCK and xq[1].is_contiguous()
         _proj_kernel[pl.grid](
-            x2, xa, p.w8 if p.w8 is not None else x2, p.s8 if p.s8 is not None else x2,
+            x2, xa, xq[0] if pre_q else x2, xq[1] if pre_q else x2,
+            p.w8 if p.w8 is not None else x2, p.s8 if p.s8 is not None else x2,
             p.wd if p.wd is not None else x2, p.meta, lo, hi, ws.partials if split else hi,
             ws.tickets if split else hi, norm[0] if norm is not None else x2,
             M, p.N, p.K, p.n8, p.n_act, p.n_lo, pl.kb_per_split, pl.split,
             x2.stride(0), p.s8.stride(0) if p.s8 is not None else 0, norm[1] if norm is not None else 0.0,
             ACT8=p.n_act >= p.n8 > 0, SW_ROUND=interpreting(), SPLIT=split, NORM=norm is not None,
-            PRE_ACT=pre, BLOCK_M=pl.block_m, BLOCK_N=pl.block_n, ALIGN=ROW_ALIGN, num_warps=pl.num_warps,
+            PRE_ACT=pre, PRE_Q=pre_q, BLOCK_M=pl.block_m, BLOCK_N=pl.block_n, ALIGN=ROW_ALIGN, num_warps=pl.num_warps,
             num_stages=pl.num_stages, **pdl_args())
     return split_outputs(p, lo, hi, lead)
 

@@ -18,6 +18,11 @@ Split-K exists for small T: at T=1 the (T x head groups) grid alone launches a h
 fits is reused) and nothing syncs with the host, so the pair is CUDA-graph safe given `out` and
 `workspace`.
 
+`rope` = (cos, sin) [T, R/2]: the output is also rotated back by RoPE's inverse on its last R
+channels (the attention output's un-rotation, rope_q(o, inverse=True): o rounded to q's dtype, the
+pairs rotated in fp32, rounded again) in the epilogue of whichever kernel stores o, not a launch of
+its own.
+
 Duplicated indices are not deduplicated: a key listed twice counts twice (the torch reference does
 the same). The engine never sends duplicates: the window and the compressed entries are disjoint
 stores and the indexer's top-k ids are distinct.
@@ -28,7 +33,9 @@ import triton
 import triton.language as tl
 
 from engine.numerics import up
-from .common import gdc_enter, pdl_args, num_sms
+from .common import gdc_enter, pdl_args, num_sms, round_to
+from .rope_kv import _rope
+from .rope_q import rope_q, rope_q_ref
 
 # Launch configuration, all in one place; bench/attention.py --sweep compares alternatives on the GPU.
 # Picked offline from ptxas -v for sm_90a at D=512 (no GPU run yet): BLOCK_H 16 / BLOCK_N 32 / 4 warps
@@ -82,12 +89,12 @@ def _tile(q, m, l, acc, k_ptr, stride_k, i_ptr, start, K, offs_n, offs_d, d_mask
 
 
 @triton.jit
-def _split_kernel(q_ptr, ka_ptr, ia_ptr, kb_ptr, ib_ptr, sink_ptr, o_ptr, acc_ptr, m_ptr, l_ptr,
+def _split_kernel(q_ptr, ka_ptr, ia_ptr, kb_ptr, ib_ptr, sink_ptr, o_ptr, acc_ptr, m_ptr, l_ptr, cos_ptr, sin_ptr,
                   H, D, Ka, Kb, tiles_per_split, qk_scale,
                   stride_qt, stride_qh, stride_ka, stride_ia, stride_kb, stride_ib, stride_ot, stride_oh,
-                  stride_wt, stride_ws, stride_wh, stride_mt, stride_ms,
+                  stride_wt, stride_ws, stride_wh, stride_mt, stride_ms, stride_cs,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  FINAL: tl.constexpr, USE_GDC: tl.constexpr = False):
+                  FINAL: tl.constexpr, R: tl.constexpr, USE_GDC: tl.constexpr = False):
     # head group on the fastest grid axis: the groups of one (token, split) read the same keys
     gdc_enter(USE_GDC)
     offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -117,8 +124,13 @@ def _split_kernel(q_ptr, ka_ptr, ia_ptr, kb_ptr, ib_ptr, sink_ptr, o_ptr, acc_pt
     hd_mask = h_mask[:, None] & d_mask[None, :]
     if FINAL:   # a single split: normalise here and skip the combine launch
         o = acc / (l + tl.exp2(sink2 - m))[:, None]
+        if R > 0:   # the inverse RoPE on the rounded output (BLOCK_D == D here)
+            p = tl.arange(0, BLOCK_D // 2) - (BLOCK_D - R) // 2
+            cos = tl.load(cos_ptr + t * stride_cs + p, mask=p >= 0, other=1.0)
+            sin = tl.load(sin_ptr + t * stride_cs + p, mask=p >= 0, other=0.0)
+            o = _rope(round_to(o, o_ptr.dtype.element_ty), cos, -sin, BLOCK_H, BLOCK_D, R)
         tl.store(o_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=hd_mask)
+                 round_to(o, o_ptr.dtype.element_ty).to(o_ptr.dtype.element_ty), mask=hd_mask)
     else:
         w = t * stride_wt + split * stride_ws
         tl.store(acc_ptr + w + offs_h[:, None] * stride_wh + offs_d[None, :], acc, mask=hd_mask)
@@ -128,9 +140,9 @@ def _split_kernel(q_ptr, ka_ptr, ia_ptr, kb_ptr, ib_ptr, sink_ptr, o_ptr, acc_pt
 
 
 @triton.jit
-def _combine_kernel(acc_ptr, m_ptr, l_ptr, sink_ptr, o_ptr, S, D,
-                    stride_wt, stride_ws, stride_wh, stride_mt, stride_ms, stride_ot, stride_oh,
-                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr = False):
+def _combine_kernel(acc_ptr, m_ptr, l_ptr, sink_ptr, o_ptr, cos_ptr, sin_ptr, S, D,
+                    stride_wt, stride_ws, stride_wh, stride_mt, stride_ms, stride_ot, stride_oh, stride_cs,
+                    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -148,7 +160,15 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, sink_ptr, o_ptr, S, D,
     part = tl.load(acc_ptr + t * stride_wt + offs_s[:, None] * stride_ws + h * stride_wh + offs_d[None, :],
                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)               # [BS, BD]
     o = tl.sum(part * w[:, None], axis=0) / denom
-    tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty), mask=d_mask)
+    if R > 0:   # the inverse RoPE on the rounded output: this chunk's pairs (BLOCK_D even) of the last R channels
+        a, b = tl.split(tl.reshape(round_to(o, o_ptr.dtype.element_ty), (BLOCK_D // 2, 2)))
+        p = (tl.program_id(2) * BLOCK_D) // 2 + tl.arange(0, BLOCK_D // 2) - (D - R) // 2
+        cos = tl.load(cos_ptr + t * stride_cs + p, mask=p >= 0, other=1.0)
+        sin = -tl.load(sin_ptr + t * stride_cs + p, mask=p >= 0, other=0.0)
+        o = tl.reshape(tl.join(tl.where(p >= 0, a * cos - b * sin, a), tl.where(p >= 0, b * cos + a * sin, b)),
+                       (BLOCK_D,))
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, round_to(o, o_ptr.dtype.element_ty).to(
+        o_ptr.dtype.element_ty), mask=d_mask)
 
 
 class Workspace:
@@ -220,11 +240,19 @@ def _flat_lists(q, kv_a, idx_a, kv_b, idx_b):
 
 
 def sparse_mqa(q, kv_a, idx_a, kv_b, idx_b, sink, scale: float, num_splits: int | None = None,
-               out=None, workspace: Workspace | None = None) -> torch.Tensor:
+               out=None, workspace: Workspace | None = None, rope=None) -> torch.Tensor:
     """q [T,H,D], kv_a [Na,D], idx_a [T,Ka], kv_b [Nb,D] | None, idx_b [T,Kb] | None (int32/int64,
-    -1 = none), sink [H] fp32 -> o [T,H,D] in q's dtype (into `out` when given). No allocation and no
-    host sync when `out` and a fitting `workspace` are passed (or a single split is used)."""
+    -1 = none), sink [H] fp32 -> o [T,H,D] in q's dtype (into `out` when given). rope = (cos, sin)
+    [T,R/2] fp32: o rotated back by RoPE's inverse on its last R channels (in the epilogue where D is
+    a power of two from 64, else by rope_q after). No allocation and no host sync when `out` and a fitting
+    `workspace` are passed (or a single split is used)."""
     T, H, D = q.shape
+    if rope is not None and max(64, triton.next_power_of_2(D)) != D:    # the epilogues rotate whole rows
+        o = sparse_mqa(q, kv_a, idx_a, kv_b, idx_b, sink, scale, num_splits, out, workspace)
+        return o.copy_(rope_q(o, *rope, inverse=True))
+    R = 0 if rope is None else 2 * rope[0].shape[-1]
+    cos, sin = (rope[0].reshape(T, -1).float().contiguous(), rope[1].reshape(T, -1).float().contiguous()) \
+        if rope is not None else (sink, sink)
     assert T < 65536, f"{T} query rows: the grid's y axis holds 65535 (prefill in smaller chunks)"
     kv_b, idx_b, Kb = _flat_lists(q, kv_a, idx_a, kv_b, idx_b)
     Ka = idx_a.shape[1]
@@ -244,18 +272,19 @@ def sparse_mqa(q, kv_a, idx_a, kv_b, idx_b, sink, scale: float, num_splits: int 
     else:                                        # FINAL: the kernel normalises, no partials
         acc, m, l, w_strides = out, sink, sink, (0, 0, 0, 0, 0)
     _split_kernel[(groups, T, splits)](
-        q, kv_a, idx_a, kv_b, idx_b, sink, out, acc, m, l,
+        q, kv_a, idx_a, kv_b, idx_b, sink, out, acc, m, l, cos, sin,
         H, D, Ka, Kb, triton.cdiv(max(tiles, 1), splits), scale * LOG2E,
         q.stride(0), q.stride(1), kv_a.stride(0), idx_a.stride(0), kv_b.stride(0), idx_b.stride(0),
-        out.stride(0), out.stride(1), *w_strides,
-        BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_D=max(64, triton.next_power_of_2(D)), FINAL=ws is None,
+        out.stride(0), out.stride(1), *w_strides, cos.stride(0),
+        BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_D=max(64, triton.next_power_of_2(D)), FINAL=ws is None, R=R,
         num_warps=_num_warps(block_h), num_stages=NUM_STAGES, **pdl_args())
     if ws is not None:
-        _combine_kernel[(T, H, triton.cdiv(D, COMBINE_BLOCK_D))](
-            ws.acc, ws.m, ws.l, sink, out, splits, D,
+        block_d = min(COMBINE_BLOCK_D, D) if R else COMBINE_BLOCK_D
+        _combine_kernel[(T, H, triton.cdiv(D, block_d))](
+            ws.acc, ws.m, ws.l, sink, out, cos, sin, splits, D,
             ws.acc.stride(0), ws.acc.stride(1), ws.acc.stride(2), ws.m.stride(0), ws.m.stride(1),
-            out.stride(0), out.stride(1),
-            BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=COMBINE_BLOCK_D, num_warps=4, **pdl_args())
+            out.stride(0), out.stride(1), cos.stride(0),
+            BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d, R=R, num_warps=4, **pdl_args())
     return out
 
 
@@ -356,10 +385,12 @@ def gather_keys(kv_a, idx_a, kv_b, idx_b):
     return torch.cat(keys, dim=1), torch.cat(valid, dim=1)
 
 
-def sparse_mqa_ref(q, kv_a, idx_a, kv_b, idx_b, sink, scale: float) -> torch.Tensor:
-    """Same contract as sparse_mqa, computed by attend() (fp32 softmax and products)."""
+def sparse_mqa_ref(q, kv_a, idx_a, kv_b, idx_b, sink, scale: float, rope=None) -> torch.Tensor:
+    """Same contract as sparse_mqa, computed by attend() (fp32 softmax and products), then
+    rope_q_ref's inverse rotation when rope is given."""
     keys, valid = gather_keys(kv_a, idx_a, kv_b, idx_b)
-    return attend(q[:, None], keys[:, None], valid[:, None], sink, scale)[:, 0]
+    o = attend(q[:, None], keys[:, None], valid[:, None], sink, scale)[:, 0]
+    return o if rope is None else rope_q_ref(o, *(c.reshape(q.shape[0], -1) for c in rope), inverse=True)
 
 
 def attention_bytes(T: int, H: int, D: int, n_keys: int, elt: int = 2) -> int:

@@ -11,7 +11,10 @@ Per block, two groups, each a single launch at decode:
   the norm done inside the kernel. Taken up to Q_GROUP_MAX_M tokens: bench/proj.py measures it
   faster than rms_norm + two cuBLAS GEMMs at M <= 16 and slower at M = 64 (bench/RESULTS.md), so
   larger steps (prefill, big batches) keep the cuBLAS path.
-The lone wo_b and w2 stay on cuBLAS (bench/proj.py: no faster packed, slower at M = 64).
+- "wo", the lone wo_b on the grouped wo_a's output: one launch that rounds its input to e4m3 and
+  dots the FP8 rows on the FP8 tensor cores, instead of act_sim + cuBLAS + cuBLAS's split-K
+  reduce. Taken up to WO_GROUP_MAX_M tokens (bench/proj.py --groups wo_b: bench/RESULTS.md).
+The lone w2 stays on cuBLAS (bench/proj.py: no faster packed, slower at M = 64).
 Prefill-sized steps (proj_gemm.UNFUSED_M tokens on) run the attn and ffn groups as one GEMM per
 projection (cuBLAS, on the Linears' dequantised weights): there the GEMMs are compute-bound and
 the kernel's weight-stream tiles are 2-4x slower (bench/RESULTS.md).
@@ -30,6 +33,14 @@ from .block import Block
 from .linear import Linear
 
 Q_GROUP_MAX_M = 16      # tokens in a step up to which the q group runs packed (see above)
+WO_GROUP_MAX_M = 16     # and the wo group: the FP8 tensor-core dot is taken up to 16-row tiles
+CODES_MAX_M = 16        # tokens up to which the x and FFN groups' FP8 rows dot x's e4m3 codes (16-row tiles)
+
+
+def takes_codes(p: Proj | None, M: int) -> bool:
+    """Whether the group's FP8 rows dot x's e4m3 codes and scales at M tokens (proj_gemm's xq),
+    so that mhc_pre, which makes x, should also make them (its act_q)."""
+    return p is not None and 0 < p.n8 <= p.n_act and M <= CODES_MAX_M
 
 
 def fp8_rows(lin: Linear):
@@ -81,11 +92,11 @@ def q_segments(b: Block, num: Numerics, fp8: bool) -> list:
 
 
 def pack_block(b: Block, num: Numerics, fp8: bool) -> dict:
-    """-> {"attn": Proj, "ffn": Proj or None, "q": Proj or None}; the dense rows' module weights
-    become views of it."""
+    """-> {"attn": Proj, "ffn": Proj or None, "q": Proj or None, "wo": Proj}; the dense rows' module
+    weights become views of it."""
     out = {}
     for group, segs in (("attn", attn_segments(b, num, fp8)), ("ffn", ffn_segments(b, num, fp8)),
-                        ("q", q_segments(b, num, fp8))):
+                        ("q", q_segments(b, num, fp8)), ("wo", [_linear("wo_b", b.attn.wo_b, num, fp8)])):
         segs.sort(key=lambda s: (s[2] is not None, s[3], s[4]), reverse=True)     # region order
         if not segs:
             out[group] = None

@@ -29,7 +29,7 @@ from .indexer import Indexer
 from .kv_cache import LayerCache, StepInputs, entry_loc
 from .linear import Linear
 from .moe import MoE
-from .projections import Q_GROUP_MAX_M
+from .projections import Q_GROUP_MAX_M, WO_GROUP_MAX_M, takes_codes
 
 
 def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) -> torch.Tensor:
@@ -47,24 +47,30 @@ def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) 
 
 def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Ops, num: Numerics) -> torch.Tensor:
     """h [B,S,hc,D] -> [B,S,hc,D]: attention, then MoE, each wrapped in mHC."""
-    x, xa, post, comb = hc_pre(b, h, "attn", ops, act=b.proj["attn"].n_act > 0)      # x [B,S,D] normed
-    h = ops.mhc_post(attention(b.attn, x, xa, b.proj, inp, cache, ops, num), h, post, comb)
+    T = h.shape[0] * h.shape[1]
+    attn = b.proj["attn"]
+    x, xa, xq, post, comb = hc_pre(b, h, "attn", ops, attn.n_act > 0, takes_codes(attn, T))    # x [B,S,D] normed
+    h = ops.mhc_post(attention(b.attn, x, xa, xq, b.proj, inp, cache, ops, num), h, post, comb)
     ffn = b.proj["ffn"]
     e = b.ffn.experts        # the FFN input's FP8 rounding feeds the shared expert's rows and the fused MoE
     act = ffn is not None and ffn.n_act > 0 or e.packed is not None and num.act_fp8 and e.quantized
-    x, xa, post, comb = hc_pre(b, h, "ffn", ops, act)
-    return ops.mhc_post(moe(b.ffn, x, xa, ffn, inp.ids, ops, num), h, post, comb)
+    x, xa, xq, post, comb = hc_pre(b, h, "ffn", ops, act, takes_codes(ffn, T))
+    return ops.mhc_post(moe(b.ffn, x, xa, xq, ffn, inp.ids, ops, num), h, post, comb)
 
 
-def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops, act: bool):
+def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops, act: bool, codes: bool):
     """-> the sub-layer's normed input x [B,S,D], with `act` also xa = fp8_sim(x, 128) (the FP8
-    GEMMs' input in reference numerics, rounded once here; else None), post [B,S,hc], comb
-    [B,S,hc,hc] (fp32)."""
+    GEMMs' input in reference numerics, rounded once here; else None), with `codes` also xq = xa
+    as (e4m3 codes [B,S,D], fp32 scales [B,S,D/128]) for the projections' FP8 dots (else None),
+    post [B,S,hc], comb [B,S,hc,hc] (fp32)."""
     norm = b.attn_norm if name == "attn" else b.ffn_norm     # the mix projection, Sinkhorn, collapse, norm
-    xa = torch.empty(h.shape[:-2] + h.shape[-1:], dtype=h.dtype, device=h.device) if act else None
+    shape = h.shape[:-2] + h.shape[-1:]
+    xa = torch.empty(shape, dtype=h.dtype, device=h.device) if act else None
+    xq = (torch.empty(shape, dtype=torch.float8_e4m3fn, device=h.device),
+          torch.empty(shape[:-1] + (shape[-1] // 128,), dtype=torch.float32, device=h.device)) if act and codes else None
     x, post, comb = ops.mhc_pre(h, *b.mix_weight(name), getattr(b, f"hc_{name}_scale"), getattr(b, f"hc_{name}_base"),
-                                norm.weight, b.hc_iters, b.hc_eps, b.norm_eps, act_out=xa)
-    return x, xa, post, comb
+                                norm.weight, b.hc_iters, b.hc_eps, b.norm_eps, act_out=xa, act_q=xq)
+    return x, xa, xq, post, comb
 
 
 def linear(lin: Linear, x: torch.Tensor, ops: Ops, num: Numerics, rounded: bool = False) -> torch.Tensor:
@@ -78,14 +84,14 @@ def linear(lin: Linear, x: torch.Tensor, ops: Ops, num: Numerics, rounded: bool 
 
 
 # ---- attention ----
-def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, proj, inp: StepInputs, cache: LayerCache,
-              ops: Ops, num: Numerics) -> torch.Tensor:
+def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, inp: StepInputs,
+              cache: LayerCache, ops: Ops, num: Numerics) -> torch.Tensor:
     """x [B,S,D] -> [B,S,D]. Each query reads its window (ring rows, plus its chunk's own keys in
     prefill) and, in compressed layers, its compressed entries: flat row lists the sparse MQA
     kernel reads in place."""
     B, S, _ = x.shape
     cos, sin = inp.cos_sin(a.rope_key, a.inv_freq)                                        # [B,S,R/2]
-    y = ops.proj_gemm(x, proj["attn"], xa=xa)   # wq_a, wkv, the compressors' and indexer's x projections: one GEMM
+    y = ops.proj_gemm(x, proj["attn"], xa=xa, xq=xq)   # wq_a, wkv, the compressors' and indexer's x projections: one GEMM
     yq = q_up(a, y["wq_a"], proj.get("q"), ops, num)                    # the q latent's norm and up-projections
     q = yq["wq_b"].unflatten(-1, (a.n_heads, a.head_dim))                                    # [B,S,H,Dh]
     # norms, RoPE, the KV's FP8 rounding; decode also writes its key into the ring here
@@ -108,12 +114,13 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, proj, inp:
         else:
             idx_b = inp.once(("entry rows", a.ratio), lambda: entry_rows(inp, a.ratio, n))     # [B*S,n]
         kv_b = cache.kv.flatten(0, 1)
-    o = ops.sparse_attn(q.flatten(0, 1), kv_a, idx_a, kv_b, idx_b, a.attn_sink, a.scale)     # [B*S,H,Dh]
+    # the output rotated back by RoPE's inverse in the attention kernel's epilogue
+    o = ops.sparse_attn(q.flatten(0, 1), kv_a, idx_a, kv_b, idx_b, a.attn_sink, a.scale,
+                        rope=(cos.flatten(0, 1), sin.flatten(0, 1)))                           # [B*S,H,Dh]
     if not inp.decode:   # each chunk's last W keys go into its ring once every query has read it
         t = inp.ring_tokens(W)                                                              # [K]
         cache.window[inp.token_slots()[t], inp.positions[0, t] % W] = kv[0, t].to(cache.window.dtype)
-    o = ops.rope_q(o.view(B, S, a.n_heads, a.head_dim), cos, sin, inverse=True)             # [B,S,H,Dh]
-    return output(a, o, ops, num)
+    return output(a, o.view(B, S, a.n_heads, a.head_dim), proj.get("wo"), ops, num)
 
 
 def q_up(a: Attention, latent: torch.Tensor, group, ops: Ops, num: Numerics) -> dict:
@@ -129,12 +136,14 @@ def q_up(a: Attention, latent: torch.Tensor, group, ops: Ops, num: Numerics) -> 
     return out
 
 
-def output(a: Attention, o: torch.Tensor, ops: Ops, num: Numerics) -> torch.Tensor:
-    """o [B,S,H,Dh] -> [B,S,D]: grouped wo_a (bf16, as DeepSeek's converter leaves it), wo_b,
-    and the all-reduce over the ranks' heads."""
+def output(a: Attention, o: torch.Tensor, wo, ops: Ops, num: Numerics) -> torch.Tensor:
+    """o [B,S,H,Dh] -> [B,S,D]: grouped wo_a (bf16, as DeepSeek's converter leaves it), wo_b
+    (the packed "wo" group at small steps), and the all-reduce over the ranks' heads."""
     o = o.flatten(-2).unflatten(-1, (a.n_groups, -1))                                       # [B,S,G,H/G*Dh]
-    z = torch.einsum("...gd,grd->...gr", o, a.wo_a.weight.unflatten(0, (a.n_groups, -1)))   # [B,S,G,o_lora]
-    return all_reduce(linear(a.wo_b, z.flatten(-2), ops, num))
+    z = torch.einsum("...gd,grd->...gr", o, a.wo_a.weight.unflatten(0, (a.n_groups, -1))).flatten(-2)  # [B,S,G*o_lora]
+    if wo is not None and z.shape[0] * z.shape[1] <= WO_GROUP_MAX_M:      # small steps: one packed launch
+        return all_reduce(ops.proj_gemm(z, wo)["wo_b"])
+    return all_reduce(linear(a.wo_b, z, ops, num))
 
 
 def window_rows(inp: StepInputs, W: int) -> torch.Tensor:
@@ -221,25 +230,26 @@ def indexer(ix: Indexer, y: dict, q: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 # ---- MoE ----
-def moe(m: MoE, x: torch.Tensor, xa: torch.Tensor | None, proj, ids: torch.Tensor, ops: Ops,
+def moe(m: MoE, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, ids: torch.Tensor, ops: Ops,
         num: Numerics) -> torch.Tensor:
-    """x [B,S,D] (xa: its FP8 rounding, or None), ids [B,S] (hash routing) -> [B,S,D]: routed
+    """x [B,S,D] (xa: its FP8 rounding, or None; xq: that as codes and scales, or None), ids [B,S]
+    (hash routing) -> [B,S,D] fp32 (the reference casts it to x's dtype; mhc_post does): routed
     experts + shared expert, one all-reduce."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])                                                          # [T,D]
     xa = xa.reshape(x.shape) if xa is not None else None
-    y = ops.proj_gemm(x, proj, xa=xa) if proj is not None else {}   # shared w1, w3 and the router logits: one GEMM
+    y = ops.proj_gemm(x, proj, xa=xa, xq=xq) if proj is not None else {}   # shared w1, w3 and the router logits: one GEMM
     w, idx = route(m.gate, x, y.get("gate"), ids.reshape(-1), ops)                       # [T,k] fp32, ids
     e, s, shared = m.experts, m.shared_experts, None
     if s is not None:            # SwiGLU, rounded for w2's FP8 input in one kernel; w2; added in the MoE sum
         act = num.act_fp8 and s.w2.fp8_gemm
         shared = linear(s.w2, ops.swiglu_act(y["w1"], y["w3"], s.limit, act, x.dtype), ops, num, rounded=act)
     if e.packed is not None:     # W4A16: in reference numerics only the input gets the FP8 rounding
-        xq = (xa if xa is not None else ops.fp8_sim(x, 128)) if num.act_fp8 and e.quantized else x
-        out = up(ops.fused_moe(xq, w, idx, e.packed, e.limit, shared=shared))
+        xin = (xa if xa is not None else ops.fp8_sim(x, 128)) if num.act_fp8 and e.quantized else x
+        out = up(ops.fused_moe(xin, w, idx, e.packed, e.limit, shared=shared))
     else:                        # the torch experts on the dequantised weights (CPU, small models)
         out = e(x, w, idx) if shared is None else e(x, w, idx) + up(shared)
-    return all_reduce(out).to(x.dtype).reshape(shape)
+    return all_reduce(out).reshape(shape)      # fp32: mhc_post casts it to the streams' dtype (no launch here)
 
 
 def route(gate, x: torch.Tensor, logits: torch.Tensor | None, ids: torch.Tensor, ops: Ops):
