@@ -33,7 +33,8 @@ def segment(name, out, K, fp8, act, lo, device="cpu", seed=0, dtype=torch.bfloat
 
 def group(kind, K, device="cpu", dtype=torch.bfloat16, fp8=True, act=True, sizes=None):
     """The model's groups: "x" (attention input: wq_a, wkv, weights_proj | compressors), "q" (the
-    q latent: wq_b, idx.wq_b), "ffn" (w1, w3 | gate), "one" (a lone FP8 projection)."""
+    q latent: wq_b, idx.wq_b), "ffn" (w1, w3 | gate), "one" (a lone FP8 projection), "dense" (a
+    lone bf16 one)."""
     s = sizes or {}
     spec = {
         "x": [("wq_a", s.get("q_lora", 256), fp8, act, True), ("wkv", s.get("head_dim", 128), fp8, act, True),
@@ -45,6 +46,7 @@ def group(kind, K, device="cpu", dtype=torch.bfloat16, fp8=True, act=True, sizes
         "ffn": [("w1", s.get("inter", 128), fp8, act, True), ("w3", s.get("inter", 128), fp8, act, True),
                 ("gate", s.get("experts", 8), False, False, False)],
         "one": [("w", s.get("out", 384), fp8, act, True)],
+        "dense": [("w", s.get("out", 384), False, False, True)],      # a lone bf16 projection (wo_a)
     }[kind]
     segs = [segment(n, o, K, f, a, lo, device, seed=i, dtype=dtype) for i, (n, o, f, a, lo) in enumerate(spec) if o]
     if not fp8:        # FP8-format weights held dense (a dequantised copy): still act-rounded
@@ -112,6 +114,7 @@ CASES = [  # kind, M, K, fp8 rows, act rounding, x dtype
     ("q", 17, 128, True, True, torch.bfloat16),       # two M tiles
     ("ffn", 2, 256, False, False, torch.float32),     # an fp32 model
     ("one", 1, 512, True, True, torch.bfloat16),
+    ("dense", 2, 256, True, True, torch.bfloat16),     # a lone bf16 projection (wo_a)
 ]
 
 
@@ -159,6 +162,7 @@ REAL = {  # kind -> (K, sizes)
     "x_csa": ("x", 4096, dict(q_lora=1024, head_dim=512, idx_heads=64, comp=1024, idx_comp=256)),
     "q": ("q", 1024, dict(wq_b=4096, idx_wq_b=8192)),
     "ffn": ("ffn", 4096, dict(inter=256, experts=256)),
+    "wo_a": ("dense", 4096, dict(out=1024)),
     "wo_b": ("one", 1024, dict(out=4096)),
     "w2": ("one", 256, dict(out=4096)),
 }

@@ -67,14 +67,14 @@ class Ops:
     """One callable per op of the step; each is the kernel or its reference (same signature).
     The comment names the kernel switch and the file that holds both."""
     kernels: frozenset          # the kernels that run (empty: all references)
-    sparse_attn: Callable       # sparse_attn: sparse_mqa(q, kv_a, idx_a, kv_b, idx_b, sink, scale) -> o
+    sparse_attn: Callable       # sparse_attn: sparse_mqa(q, kv_a, idx_a, kv_b, idx_b, sink, scale, rope) -> o
     indexer_topk: Callable      # indexer: (q, w, keys, table, per_block, visible, k, n) -> (ids, rows, ...)
     gemm: Callable              # bf16_gemm: (a, b) -> a @ b^T, fp32 out (fp64 for fp64 models)
     fp8_gemm: Callable          # fp8_gemm: (x, e4m3 weight, E8M0 scales, act_quant, out_dtype) -> y
     mhc_pre: Callable           # mhc: the mix projection (bf16_gemm.py), Sinkhorn, stream collapse, RMSNorm
     mhc_post: Callable          # mhc: expand and mix back into the streams
     rope_qkv: Callable          # rope_kv: q/kv norms, RoPE, the KV's FP8 rounding, the ring write
-    rope_q: Callable            # rope_q: RoPE on heads (inverse on the output; Hadamard + FP4 for the indexer)
+    rope_q: Callable            # rope_q: RoPE on heads (the indexer's queries, Hadamard + FP4; the inverse on o)
     rms_norm: Callable          # rms_norm
     route: Callable             # router: scores, top-k or hash ids, renormalise
     fp8_sim: Callable           # act_sim: e4m3 round trip per block

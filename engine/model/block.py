@@ -29,7 +29,7 @@ class Block(nn.Module):
         _hc_params(self, "attn", cfg.hc_mult, cfg.dim)
         _hc_params(self, "ffn", cfg.hc_mult, cfg.dim)
         self.mix_split = {}
-        self.proj = {}          # "attn" / "ffn" -> the packed projections (engine.model.projections)
+        self.proj = {}          # "attn", "ffn", "q", "wo_a", "wo" -> the packed projections (engine.model.projections)
 
     def pre(self, h: torch.Tensor, name: str):
         return hc_pre(h, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_scale"),

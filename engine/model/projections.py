@@ -11,9 +11,11 @@ Per block, two groups, each a single launch at decode:
   the norm done inside the kernel. Taken up to Q_GROUP_MAX_M tokens: bench/proj.py measures it
   faster than rms_norm + two cuBLAS GEMMs at M <= 16 and slower at M = 64 (bench/RESULTS.md), so
   larger steps (prefill, big batches) keep the cuBLAS path.
-- "wo", the lone wo_b on the grouped wo_a's output: one launch that rounds its input to e4m3 and
-  dots the FP8 rows on the FP8 tensor cores, instead of act_sim + cuBLAS + cuBLAS's split-K
-  reduce. Taken up to WO_GROUP_MAX_M tokens (bench/proj.py --groups wo_b: bench/RESULTS.md).
+- "wo_a", the attention output's wo_a (bf16, as DeepSeek runs it) where the rank holds one head
+  group (TP = 8 at the real dims: a plain GEMM, not a grouped one), and "wo", the lone wo_b on
+  wo_a's output: each one launch (wo's rounds its input to e4m3 and dots the FP8 rows on the FP8
+  tensor cores) instead of cuBLAS with its split-K reduce (and, for wo_b, act_sim before it).
+  Taken up to WO_GROUP_MAX_M tokens (bench/proj.py --groups wo_a,wo_b: bench/RESULTS.md).
 The lone w2 stays on cuBLAS (bench/proj.py: no faster packed, slower at M = 64).
 Prefill-sized steps (proj_gemm.UNFUSED_M tokens on) run the attn and ffn groups as one GEMM per
 projection (cuBLAS, on the Linears' dequantised weights): there the GEMMs are compute-bound and
@@ -92,11 +94,14 @@ def q_segments(b: Block, num: Numerics, fp8: bool) -> list:
 
 
 def pack_block(b: Block, num: Numerics, fp8: bool) -> dict:
-    """-> {"attn": Proj, "ffn": Proj or None, "q": Proj or None, "wo": Proj}; the dense rows' module
-    weights become views of it."""
+    """-> {"attn": Proj, "ffn": Proj or None, "q": Proj or None, "wo_a": Proj or None, "wo": Proj};
+    the dense rows' module weights become views of it."""
     out = {}
+    a = b.attn
     for group, segs in (("attn", attn_segments(b, num, fp8)), ("ffn", ffn_segments(b, num, fp8)),
-                        ("q", q_segments(b, num, fp8)), ("wo", [_linear("wo_b", b.attn.wo_b, num, fp8)])):
+                        ("q", q_segments(b, num, fp8)),
+                        ("wo_a", [_linear("wo_a", a.wo_a, num, False)] if a.n_groups == 1 else []),
+                        ("wo", [_linear("wo_b", a.wo_b, num, fp8)])):
         segs.sort(key=lambda s: (s[2] is not None, s[3], s[4]), reverse=True)     # region order
         if not segs:
             out[group] = None

@@ -120,7 +120,7 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, 
     if not inp.decode:   # each chunk's last W keys go into its ring once every query has read it
         t = inp.ring_tokens(W)                                                              # [K]
         cache.window[inp.token_slots()[t], inp.positions[0, t] % W] = kv[0, t].to(cache.window.dtype)
-    return output(a, o.view(B, S, a.n_heads, a.head_dim), proj.get("wo"), ops, num)
+    return output(a, o.view(B, S, a.n_heads, a.head_dim), proj, ops, num)
 
 
 def q_up(a: Attention, latent: torch.Tensor, group, ops: Ops, num: Numerics) -> dict:
@@ -136,14 +136,19 @@ def q_up(a: Attention, latent: torch.Tensor, group, ops: Ops, num: Numerics) -> 
     return out
 
 
-def output(a: Attention, o: torch.Tensor, wo, ops: Ops, num: Numerics) -> torch.Tensor:
-    """o [B,S,H,Dh] -> [B,S,D]: grouped wo_a (bf16, as DeepSeek's converter leaves it), wo_b
-    (the packed "wo" group at small steps), and the all-reduce over the ranks' heads."""
-    o = o.flatten(-2).unflatten(-1, (a.n_groups, -1))                                       # [B,S,G,H/G*Dh]
-    z = torch.einsum("...gd,grd->...gr", o, a.wo_a.weight.unflatten(0, (a.n_groups, -1))).flatten(-2)  # [B,S,G*o_lora]
-    if wo is not None and z.shape[0] * z.shape[1] <= WO_GROUP_MAX_M:      # small steps: one packed launch
-        return all_reduce(ops.proj_gemm(z, wo)["wo_b"])
-    return all_reduce(linear(a.wo_b, z, ops, num))
+def output(a: Attention, o: torch.Tensor, proj, ops: Ops, num: Numerics) -> torch.Tensor:
+    """o [B,S,H,Dh] -> [B,S,D]: grouped wo_a (bf16, as DeepSeek's converter leaves it), wo_b, and
+    the all-reduce over the ranks' heads. Small steps: each a packed launch (the "wo_a" and "wo"
+    groups, projections.py)."""
+    small = o.shape[0] * o.shape[1] <= WO_GROUP_MAX_M
+    if small and proj.get("wo_a") is not None:       # one head group on this rank: a plain GEMM
+        z = ops.proj_gemm(o.flatten(-2), proj["wo_a"])["wo_a"]                              # [B,S,o_lora]
+    else:
+        o = o.flatten(-2).unflatten(-1, (a.n_groups, -1))                                   # [B,S,G,H/G*Dh]
+        z = torch.einsum("...gd,grd->...gr", o, a.wo_a.weight.unflatten(0, (a.n_groups, -1))).flatten(-2)
+    if small and proj.get("wo") is not None:
+        return all_reduce(ops.proj_gemm(z, proj["wo"])["wo_b"])
+    return all_reduce(linear(a.wo_b, z, ops, num))                                          # [B,S,D]
 
 
 def window_rows(inp: StepInputs, W: int) -> torch.Tensor:
