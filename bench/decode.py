@@ -10,7 +10,9 @@ error), the collectives answered by a simulated process group (engine.parallel.s
 its modelled delay off) and their cost added to the rows from engine/parallel/latency.py's model.
 The dims and grid rounding are engine/realdims.py's (engine.simulate builds its ranks from them).
 For each context and batch: step time eager and under a CUDA graph (median of CUDA-event
-timings after warm-up), tok/s, kernel launches per step (and per layer), bytes the step must
+timings after warm-up) at the last position of the context, where every compressor's window
+completes (the worst step: each CSA and HCA layer pools an entry), with --average N also the
+mean graph step over the N positions up to it (CSA pools every 4th token, HCA every 128th), tok/s, kernel launches per step (and per layer), bytes the step must
 read against the measured HBM bandwidth (roofline_ms, achieved_tbs), and a torch.profiler
 breakdown by kernel class of one eager step.
 
@@ -195,6 +197,18 @@ def step_fn(model, cache, ids, slots, positions, table, ctx_len):
                                       cache.layers)
 
 
+def average_step(replay, positions, ctx_len: int, n: int) -> float:
+    """Mean seconds of the captured step over the n positions ending at ctx_len - 1: each
+    position copied into the graph's input before its replays (the windows complete in their
+    share of them); the position is left at ctx_len - 1."""
+    times = []
+    for p in range(ctx_len - n, ctx_len):
+        positions.fill_(p)
+        times.append(timed(replay, reps=3, warmup=1))
+    positions.fill_(ctx_len - 1)
+    return statistics.mean(times)
+
+
 def pdl_ab(run, replay_on, ctx_len, B, rounds=5):
     """The same step captured again with PDL off; the two graphs replayed in alternation (rounds
     of 20) so drift hits both alike -> prints both medians."""
@@ -219,10 +233,12 @@ def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
     run = step_fn(model, cache, ids, slots, positions, table, ctx_len)
     with torch.inference_mode():
         t_eager = timed(run, reps=10)
-        t_graph = None
+        t_graph = t_avg = None
         if not args.no_graphs:
             replay = graphed(run)
             t_graph = timed(replay, reps=20)
+            if args.average:
+                t_avg = average_step(replay, positions, ctx_len, min(args.average, ctx_len))
             if args.pdl_ab:
                 pdl_ab(run, replay, ctx_len, B)
             del replay
@@ -230,6 +246,8 @@ def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
     row = make_row(ctx=ctx_len, batch=B, variant=args.variant, kernel_set=kset, layers=cfg.n_layers, tp=args.tp,
                    eager_s=t_eager, graph_s=t_graph, nbytes=step_bytes(model, cfg, args.tp, B, ctx_len),
                    bandwidth=bw, breakdown=br)
+    if t_avg is not None:
+        row.update(avg_graph_ms=t_avg * 1e3, avg_positions=min(args.average, ctx_len))
     print(format_row(row), flush=True)
     return row
 
@@ -281,7 +299,7 @@ def child_command(args, label: str, out: str) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--tp", str(args.tp), "--layers", str(args.layers),
            "--contexts", args.contexts, "--batches", args.batches, "--kernel-sets", args.kernel_sets,
            "--experts", args.experts, "--variant", label, "--out", out]
-    return cmd + (["--no-graphs"] if args.no_graphs else [])
+    return cmd + (["--no-graphs"] if args.no_graphs else []) + (["--average", str(args.average)] if args.average else [])
 
 
 def run_baseline(args) -> list[dict]:
@@ -318,6 +336,8 @@ def parse_args(argv=None):
     ap.add_argument("--variant", default="HEAD", help="this tree's label in the rows")
     ap.add_argument("--out", default=None, help="write the rows (all variants) as JSON")
     ap.add_argument("--pdl-ab", action="store_true", help="also time each graph captured with PDL off, alternating")
+    ap.add_argument("--average", type=int, default=0, metavar="N",
+                    help="also the mean graph step over the N positions up to the last (the typical step)")
     ap.add_argument("--by-kernel", type=int, default=0, metavar="N",
                     help="print each row's N costliest kernels by name (launches x us)")
     args = ap.parse_args(argv)

@@ -49,7 +49,8 @@ def format_row(r: dict) -> str:
     ks = "" if r["kernel_set"] == "default" else f" [{r['kernel_set']}]"
     return (f"{r['variant'][:10]:>10} {r['ctx']:>6} {r['batch']:>4} {r['eager_ms']:>9.2f} {r['graph_ms'] or 0:>9.2f} "
             f"{r['tok_s']:>8.1f} {r['tok_s_with_allreduce']:>9.1f} {r['roofline_ms']:>11.2f} "
-            f"{r['achieved_tbs']:>8.2f} {r['kernels']:>7} {r['kernels_per_layer']:>6.1f} {bd}{ks}")
+            f"{r['achieved_tbs']:>8.2f} {r['kernels']:>7} {r['kernels_per_layer']:>6.1f} {bd}{ks}"
+            + (f" | avg over {r['avg_positions']} positions {r['avg_graph_ms']:.2f} ms" if r.get("avg_graph_ms") else ""))
 
 
 def side_by_side(rows: list[dict]) -> list[str]:
