@@ -1,10 +1,11 @@
 """The projections that read one input, packed as one GEMM (engine.kernels.proj_gemm).
 
-Per block, two groups, each a single launch at decode:
+Per block, up to five groups, each a single launch at decode:
 - "attn", on the attention's normed x [.., D]: wq_a and wkv (FP8 Linears: input rounded to e4m3
   in reference numerics, outputs in the model dtype), the indexer's weights_proj (bf16 Linear),
   then the attention compressor's and the indexer compressor's wkv and wgate (fp32 outputs, as
-  Compressor.project computes them).
+  Compressor.project computes them). Up to CODES_MAX_M tokens its FP8 rows read x's e4m3 codes
+  and scales as mhc_pre made them (takes_codes), as do the FFN group's.
 - "ffn", on the FFN's normed x: the shared expert's w1 and w3 (FP8), then the router gate's
   logits (fp32), when the router is the sqrt-softplus one the router kernel takes.
 - "q", on the q latent (wq_a's output) before its RMSNorm: wq_b and the indexer's wq_b (FP8),
@@ -35,7 +36,7 @@ from .block import Block
 from .linear import Linear
 
 Q_GROUP_MAX_M = 16      # tokens in a step up to which the q group runs packed (see above)
-WO_GROUP_MAX_M = 16     # and the wo group: the FP8 tensor-core dot is taken up to 16-row tiles
+WO_GROUP_MAX_M = 16     # and the wo_a / wo groups (bench/proj.py: faster than cuBLAS at 1-16 tokens, slower at 64)
 CODES_MAX_M = 16        # tokens up to which the x and FFN groups' FP8 rows dot x's e4m3 codes (16-row tiles)
 
 
