@@ -53,20 +53,25 @@ def _to_e4m3(y: torch.Tensor) -> torch.Tensor:
     return y.to(torch.float8_e4m3fn)
 
 
-def fp8_sim_ref(x: torch.Tensor, block: int) -> torch.Tensor:
-    """e4m3 round trip per `block` channels of the last dim (torch; the act_sim kernel's reference)."""
+def _e4m3_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (e4m3 codes [..., D/block, block], scales [..., D/block, 1] in x's wide dtype),
+    scale 2^ceil(log2(amax / 448)) per block of the last dim."""
     xb = up(x).unflatten(-1, (-1, block))
     s = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp(min=1e-4), FP8_MAX)
-    q = up(_to_e4m3((xb / s).clamp(-FP8_MAX, FP8_MAX))).to(xb.dtype)
-    return (q * s).flatten(-2).to(x.dtype)
+    return _to_e4m3((xb / s).clamp(-FP8_MAX, FP8_MAX)), s
+
+
+def fp8_sim_ref(x: torch.Tensor, block: int) -> torch.Tensor:
+    """e4m3 round trip per `block` channels of the last dim (torch; the act_sim kernel's reference)."""
+    q, s = _e4m3_blocks(x, block)
+    return (up(q).to(s.dtype) * s).flatten(-2).to(x.dtype)
 
 
 def fp8_codes_ref(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8_sim_ref's rounding as the FP8 tensor cores take it: x [..., D] -> (e4m3 codes [..., D],
     fp32 power-of-two scales [..., D/block]), codes * scales == fp8_sim_ref(x, block) exactly."""
-    xb = up(x).unflatten(-1, (-1, block))
-    s = _pow2_scale(xb.abs().amax(-1, keepdim=True).clamp(min=1e-4), FP8_MAX)
-    return _to_e4m3((xb / s).clamp(-FP8_MAX, FP8_MAX)).flatten(-2), s.squeeze(-1).float()
+    q, s = _e4m3_blocks(x, block)
+    return q.flatten(-2), s.squeeze(-1).float()
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:

@@ -249,8 +249,8 @@ def moe(m: MoE, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, ids: torch.T
     if s is not None:            # SwiGLU, rounded for w2's FP8 input in one kernel; w2; added in the MoE sum
         act = num.act_fp8 and s.w2.fp8_gemm
         shared = linear(s.w2, ops.swiglu_act(y["w1"], y["w3"], s.limit, act, x.dtype), ops, num, rounded=act)
-    if e.packed is not None:     # W4A16: in reference numerics only the input gets the FP8 rounding
-        xin = (xa if xa is not None else ops.fp8_sim(x, 128)) if num.act_fp8 and e.quantized else x
+    if e.packed is not None:     # W4A16: in reference numerics only the input gets the FP8 rounding (block's xa)
+        xin = xa if num.act_fp8 and e.quantized else x
         out = up(ops.fused_moe(xin, w, idx, e.packed, e.limit, shared=shared))
     else:                        # the torch experts on the dequantised weights (CPU, small models)
         out = e(x, w, idx) if shared is None else e(x, w, idx) + up(shared)
