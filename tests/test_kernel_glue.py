@@ -89,10 +89,13 @@ def check_mhc_pre(T, dtype, D=96, dev="cpu", out=False, split_k=None):
         got = mhc_pre(h, hi, lo, *rest, out=o, split_k=split_k)
         # the other program layout (one program per token, or two): the same bits
         other = mhc_pre(h, hi, lo, *rest, split_k=split_k, roles=1 if T <= ROLES_MAX_T else 2)
+        # the collapse and post/comb as two launches (mhc_pre's side), on one stream and on two
+        split = mhc_pre(h, hi, lo, *rest, split_k=split_k, roles="split")
+        beside = side_pre(h, hi, lo, *rest, split_k=split_k)() if dev == "cuda" else split
     want = mhc_pre_ref(h, hi, lo, *rest)
-    for g_, w_, o_, dt in zip(got, want, other, (dtype, F32, F32)):
+    for g_, w_, o_, s_, b_, dt in zip(got, want, other, split, beside, (dtype, F32, F32)):
         close(g_, w_, tol_for(dt, dev))
-        assert torch.equal(g_.view(o_.shape), o_)
+        assert torch.equal(g_.view(o_.shape), o_) and torch.equal(o_, s_) and torch.equal(o_, b_)
     if D % 128 == 0:    # y's FP8 rounding for the projections, from the same kernel: fp8_sim of its y exactly
         xa = torch.full((T, D), float("nan"), dtype=dtype, device=dev)
         xq = (torch.full((T, D), float("nan"), device=dev).to(torch.float8_e4m3fn),
@@ -108,6 +111,17 @@ def check_mhc_pre(T, dtype, D=96, dev="cpu", out=False, split_k=None):
         assert torch.equal(xr, fp8_sim_ref(want[0], 128))
         assert torch.equal(qr[0].float(), fp8_codes_ref(want[0], 128)[0].float())
     return lambda: mhc_pre(h, hi, lo, *rest, split_k=split_k)
+
+
+def side_pre(h, *args, **kw):
+    """mhc_pre with post and comb made on a side stream, then joined (as the step's mhc_post does)."""
+    side = torch.cuda.Stream()
+
+    def run():
+        out = mhc_pre(h, *args, **kw, side=side)
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+    return run
 
 
 def check_mhc_post(T, dtype, D=96, dev="cpu", inplace=False, block_d=32, f_dtype=None):
@@ -454,6 +468,10 @@ def on_gpu(test):
 def test_gpu_mhc(T):
     graph_equals_eager(check_sinkhorn(T, dev="cuda", block_t=16))
     graph_equals_eager(check_mhc_pre(T, BF16, D=4096, dev="cuda"))
+    r = gen("cuda")
+    hi, lo = split_bf16(r(24, 4 * 4096, s=0.6 / (4 * 4096) ** 0.5))
+    graph_equals_eager(side_pre(r(T, 4, 4096).to(BF16), hi, lo, 1 + r(3, s=0.1), r(24, s=0.5),
+                                (1 + r(4096, s=0.05)).to(BF16), 20, 1e-6, 1e-6))
     graph_equals_eager(check_mhc_post(T, BF16, D=4096, dev="cuda", block_d=512))
     check_mhc_pre(T, BF16, D=4096, dev="cuda", out=True)
     check_mhc_post(T, BF16, D=4096, dev="cuda", inplace=True, block_d=512)

@@ -82,18 +82,21 @@ class Ops:
     fused_moe: Callable         # fused_moe: routed experts on packed MXFP4 / NVFP4 codes
     proj_gemm: Callable         # proj_gemm: (x, Proj) -> {name: y}, the projections sharing x in one GEMM
     swiglu_act: Callable        # swiglu: (g, u, limit, fp8, dtype) -> the shared expert's w2 input
+    side: object = None         # mhc on CUDA: a second stream, for mhc_pre's post and comb (its `side`)
 
     @classmethod
     def select(cls, device, dtype, kernels=None) -> "Ops":
         on = kernel_set(kernels) if runs_here(device, dtype) else frozenset()
         chosen = {"kernels": on}
-        for f in fields(cls)[1:]:
+        for f in fields(cls)[1:-1]:
             switch, module, fn = _TABLE[f.name]
             mod = import_module(f".{module}", __name__)
             kernel, ref = getattr(mod, fn), getattr(mod, f"{fn}_ref")
             if switch == "act_sim":
                 kernel = _divisible(kernel, ref)
             chosen[f.name] = kernel if switch in on else ref
+        if "mhc" in on and torch.device(device).type == "cuda":
+            chosen["side"] = torch.cuda.Stream(torch.device(device))
         return cls(**chosen)
 
     def uses(self, name: str) -> bool:

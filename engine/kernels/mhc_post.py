@@ -39,11 +39,14 @@ def _mhc_post_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D,
 
 
 def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-             out: torch.Tensor | None = None, block_d: int = 512) -> torch.Tensor:
+             out: torch.Tensor | None = None, block_d: int = 512, after=None) -> torch.Tensor:
     """f [...,D] (res's dtype or wider: rounded to res's first), res [...,hc,D], post [...,hc] fp32,
     comb [...,hc,hc] fp32 -> [...,hc,D] (res dtype).
 
-    `out` (same shape and dtype as res, may be res itself) is written in place when given."""
+    `out` (same shape and dtype as res, may be res itself) is written in place when given. after:
+    the stream mhc_pre wrote post and comb on (its `side`): this stream waits for it first."""
+    if after is not None:
+        torch.cuda.current_stream(res.device).wait_stream(after)
     hc, D = res.shape[-2:]
     assert hc & (hc - 1) == 0, "hc must be a power of two (register tiles)"
     lead = res.shape[:-2]
@@ -62,7 +65,7 @@ def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
     return o.view(*lead, hc, D) if out is None else out
 
 
-def mhc_post_ref(f, res, post, comb, out=None, block_d=None):
+def mhc_post_ref(f, res, post, comb, out=None, block_d=None, after=None):
     """Torch reference, and the model's hc_post (engine.model.mhc imports it):
     out[k] = post[k] * f + sum_j comb[j, k] * res[j]  ->  [...,hc,D] in res's dtype (f cast to it first)."""
     y = (post[..., None] * up(f.to(res.dtype))[..., None, :] + comb.transpose(-1, -2) @ up(res)).to(res.dtype)

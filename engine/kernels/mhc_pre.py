@@ -10,6 +10,8 @@ FP8 tensor-core dots. Small steps give each token two programs, the collapse and
 Replaces engine.model.mhc.hc_pre (the mix, about 20 Sinkhorn rounds of small torch ops, the
 collapse and a cast) plus RMSNorm (and an act_sim launch).
 """
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,8 @@ from .sinkhorn import sinkhorn_ref as sinkhorn, sinkhorn_tile
 # mix + pre, graph replay, 8 layers' weights): 1.2-1.3 us faster per call at 1-64 tokens, 1.5-2.6 us
 # slower at 256 (twice the programs, half of them Sinkhorn's few floats).
 ROLES_MAX_T = 64
+# Warps of the post-and-comb launch (mhc_pre's `side`): a 4 x 4 tile needs few.
+SIDE_WARPS = 2
 
 
 @triton.jit
@@ -115,12 +119,14 @@ def _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, xq_ptr, x
 def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, xa_ptr, xq_ptr, xs_ptr, post_ptr, comb_ptr,
                     D, stride_ht, stride_hj, stride_yt, hc_eps, norm_eps, C, K, mix_eps,
                     HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-                    ROLES: tl.constexpr, ACT: tl.constexpr, CODES: tl.constexpr, USE_GDC: tl.constexpr = False):
+                    ROLES: tl.constexpr, ACT: tl.constexpr, CODES: tl.constexpr, ROLE: tl.constexpr = -1,
+                    USE_GDC: tl.constexpr = False):
     # ROLES = 2, two programs per token: (t, 0) collapses the streams and norms them, (t, 1) derives
     # post and comb, so Sinkhorn's 20 rounds of dependent reductions run beside the collapse, not
-    # before it (small steps, where the kernel's latency is the cost). ROLES = 1: one program does
-    # both, every load first: the stores may alias them as far as the compiler knows, so a load
-    # placed after a store waits for it
+    # before it (small steps, where the kernel's latency is the cost); ROLE = 0 or 1: this launch
+    # is only that role (mhc_pre's `side`: the two launched on two streams). ROLES = 1: one program
+    # does both, every load first: the stores may alias them as far as the compiler knows, so a
+    # load placed after a store waits for it
     gdc_enter(USE_GDC)
     t = tl.program_id(0)
     N: tl.constexpr = (2 + HC) * HC
@@ -135,7 +141,7 @@ def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, xa_ptr, 
                    HC, ITERS)
         _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, xq_ptr, xs_ptr, D, stride_yt, t, hc_eps,
                   norm_eps, HC, BLOCK_D, ACT, CODES)
-    elif tl.program_id(1) == 0:
+    elif (tl.program_id(1) if ROLE < 0 else ROLE) == 0:
         ss, mix_pre, h, w, s0, b_pre = _load_collapse(m, C, stride_c, scale_ptr, base_ptr, h_ptr, w_ptr, D,
                                                       stride_ht, stride_hj, t, HC, BLOCK_D, BLOCK_C)
         _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, xq_ptr, xs_ptr, D, stride_yt, t, hc_eps,
@@ -149,7 +155,7 @@ def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, xa_ptr, 
 
 def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, scale: torch.Tensor,
             base: torch.Tensor, norm_weight: torch.Tensor, iters: int, hc_eps: float, norm_eps: float,
-            out=None, act_out=None, act_q=None, roles=None, **mix_plan):
+            out=None, act_out=None, act_q=None, side=None, roles=None, **mix_plan):
     """h [...,hc,D], the mix weight fn_hi (+ fn_lo) [(2+hc)*hc, hc*D] bf16 (split_bf16 of the fp32
     fn), scale [3], base [(2+hc)*hc], norm_weight [D]
     -> y = RMSNorm(sum_j pre_j h_j) [...,D] (h dtype), post [...,hc] fp32, comb [...,hc,hc] fp32.
@@ -160,8 +166,15 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
     FP8 projections of y take in reference numerics (proj_gemm's xa, the fused MoE's input), so
     no projection tile rounds y again. act_q = (codes [...,D] float8_e4m3fn, scales [...,D/128] fp32),
     contiguous, with act_out: that rounding as e4m3 codes and power-of-two scales (codes * scales
-    == act_out), which proj_gemm's FP8 rows dot on the FP8 tensor cores. roles: 1 or 2 programs per
-    token (tests); mix_plan: the mix GEMM's plan (split_k, ...: tests and tuning)."""
+    == act_out), which proj_gemm's FP8 rows dot on the FP8 tensor cores.
+
+    side: a CUDA stream for post and comb in small steps (T <= ROLES_MAX_T). They are needed only by
+    the sub-layer's mhc_post, and Sinkhorn's 20 dependent rounds are the longer half of this kernel
+    (bench/RESULTS.md): launched on `side` as soon as the mix is done, they run beside the collapse
+    and the sub-layer instead of before it. The caller's stream must wait on `side` before anything
+    reads post or comb (mhc_post's `after`). roles: 1 or 2 programs per token, or "split" (the two
+    launches of `side`, on one stream: tests); mix_plan: the mix GEMM's plan (split_k, ...: tests
+    and tuning)."""
     hc, D = h.shape[-2:]
     N = (2 + hc) * hc
     assert hc & (hc - 1) == 0 and fn_hi.shape[0] == N
@@ -185,15 +198,27 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
         mix = mhc_mix_parts(h3, fn_hi, fn_lo, norm_eps, **mix_plan)                 # [C, T, N+1]
         C = mix.parts.shape[0]
         block = triton.next_power_of_2(D)
-        roles = roles or (2 if T <= ROLES_MAX_T else 1)
+        split = roles == "split" or side is not None and T <= ROLES_MAX_T
+        roles = 2 if split else roles or (2 if T <= ROLES_MAX_T else 1)
         xa = act_out if act_out is not None else y
         xq, xs = act_q if act_q is not None else (y, y)
-        _mhc_pre_kernel[(T, roles)](mix.parts, scale.float().contiguous(), base.float().contiguous(), h3,
-                              norm_weight.contiguous(), y, xa, xq, xs, post, comb, D, h3.stride(0), h3.stride(1), D,
-                              hc_eps, norm_eps, C, mix.K, norm_eps,
-                              HC=hc, ITERS=iters, BLOCK_D=block, BLOCK_C=triton.next_power_of_2(C), ROLES=roles,
-                              ACT=act_out is not None, CODES=act_q is not None,
-                              num_warps=min(16, max(1, block // 512)), **pdl_args())
+        sc, bs = scale.float().contiguous(), base.float().contiguous()
+        args = (mix.parts, sc, bs, h3, norm_weight.contiguous(), y, xa, xq, xs, post, comb, D, h3.stride(0),
+                h3.stride(1), D, hc_eps, norm_eps, C, mix.K, norm_eps)
+        kw = dict(HC=hc, ITERS=iters, BLOCK_D=block, BLOCK_C=triton.next_power_of_2(C), ROLES=roles,
+                  ACT=act_out is not None, CODES=act_q is not None)
+        if not split:
+            _mhc_pre_kernel[(T, roles)](*args, **kw, num_warps=min(16, max(1, block // 512)), **pdl_args())
+        else:
+            if side is not None:      # post and comb wait for the mix only, not for the collapse
+                side.wait_stream(torch.cuda.current_stream(h.device))
+            _mhc_pre_kernel[(T, 1)](*args, **kw, ROLE=0, num_warps=min(16, max(1, block // 512)), **pdl_args())
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                # a plain launch: its stream's previous kernel is no dependency of it (no PDL edge)
+                _mhc_pre_kernel[(T, 1)](*args, **kw, ROLE=1, num_warps=SIDE_WARPS)
+            for t, given in ((sc, scale), (bs, base)):
+                if side is not None and t is not given:
+                    t.record_stream(side)     # a temporary (scale or base was not fp32): live until it ran
     if out is not None:
         return out
     return y.view(*lead, D), post.view(*lead, hc), comb.view(*lead, hc, hc)

@@ -50,26 +50,28 @@ def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Op
     T = h.shape[0] * h.shape[1]
     attn = b.proj["attn"]
     x, xa, xq, post, comb = hc_pre(b, h, "attn", ops, attn.n_act > 0, takes_codes(attn, T))    # x [B,S,D] normed
-    h = ops.mhc_post(attention(b.attn, x, xa, xq, b.proj, inp, cache, ops, num), h, post, comb)
+    # post and comb may still be in the making on ops.side (hc_pre): mhc_post waits for it
+    h = ops.mhc_post(attention(b.attn, x, xa, xq, b.proj, inp, cache, ops, num), h, post, comb, after=ops.side)
     ffn = b.proj["ffn"]
     e = b.ffn.experts        # the FFN input's FP8 rounding feeds the shared expert's rows and the fused MoE
     act = ffn is not None and ffn.n_act > 0 or e.packed is not None and num.act_fp8 and e.quantized
     x, xa, xq, post, comb = hc_pre(b, h, "ffn", ops, act, takes_codes(ffn, T))
-    return ops.mhc_post(moe(b.ffn, x, xa, xq, ffn, inp.ids, ops, num), h, post, comb)
+    return ops.mhc_post(moe(b.ffn, x, xa, xq, ffn, inp.ids, ops, num), h, post, comb, after=ops.side)
 
 
 def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops, act: bool, codes: bool):
     """-> the sub-layer's normed input x [B,S,D], with `act` also xa = fp8_sim(x, 128) (the FP8
     GEMMs' input in reference numerics, rounded once here; else None), with `codes` also xq = xa
     as (e4m3 codes [B,S,D], fp32 scales [B,S,D/128]) for the projections' FP8 dots (else None),
-    post [B,S,hc], comb [B,S,hc,hc] (fp32)."""
+    post [B,S,hc], comb [B,S,hc,hc] (fp32). In small steps post and comb are made on ops.side,
+    beside the sub-layer (they are mhc_post's alone): nothing else may read them."""
     norm = b.attn_norm if name == "attn" else b.ffn_norm     # the mix projection, Sinkhorn, collapse, norm
     shape = h.shape[:-2] + h.shape[-1:]
     xa = torch.empty(shape, dtype=h.dtype, device=h.device) if act else None
     xq = (torch.empty(shape, dtype=torch.float8_e4m3fn, device=h.device),
           torch.empty(shape[:-1] + (shape[-1] // 128,), dtype=torch.float32, device=h.device)) if act and codes else None
     x, post, comb = ops.mhc_pre(h, *b.mix_weight(name), getattr(b, f"hc_{name}_scale"), getattr(b, f"hc_{name}_base"),
-                                norm.weight, b.hc_iters, b.hc_eps, b.norm_eps, act_out=xa, act_q=xq)
+                                norm.weight, b.hc_iters, b.hc_eps, b.norm_eps, act_out=xa, act_q=xq, side=ops.side)
     return x, xa, xq, post, comb
 
 
