@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -238,6 +239,11 @@ def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
     slots, positions = torch.arange(B, device="cuda"), torch.full((B, 1), ctx_len - 1, device="cuda")
     run = step_fn(model, cache, ids, slots, positions, table, ctx_len)
     with torch.inference_mode():
+        if args.compile:     # the first call compiles: report how long, outside the timings
+            t0 = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            print(f"  ctx {ctx_len} B {B}: first (compiling) step {time.perf_counter() - t0:.1f} s", flush=True)
         t_eager = timed(run, reps=10)
         t_graph = t_avg = None
         if not args.no_graphs:

@@ -27,8 +27,6 @@ from .sinkhorn import sinkhorn_ref as sinkhorn, sinkhorn_tile
 # mix + pre, graph replay, 8 layers' weights): 1.2-1.3 us faster per call at 1-64 tokens, 1.5-2.6 us
 # slower at 256 (twice the programs, half of them Sinkhorn's few floats).
 ROLES_MAX_T = 64
-# Warps of the post-and-comb launch (mhc_pre's `side`): a 4 x 4 tile needs few.
-SIDE_WARPS = 2
 
 
 @triton.jit
@@ -207,15 +205,17 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
                 h3.stride(1), D, hc_eps, norm_eps, C, mix.K, norm_eps)
         kw = dict(HC=hc, ITERS=iters, BLOCK_D=block, BLOCK_C=triton.next_power_of_2(C), ROLES=roles,
                   ACT=act_out is not None, CODES=act_q is not None)
+        # the same warps in every layout: the reductions' order follows them (the same bits)
+        kw["num_warps"] = min(16, max(1, block // 512))
         if not split:
-            _mhc_pre_kernel[(T, roles)](*args, **kw, num_warps=min(16, max(1, block // 512)), **pdl_args())
+            _mhc_pre_kernel[(T, roles)](*args, **kw, **pdl_args())
         else:
             if side is not None:      # post and comb wait for the mix only, not for the collapse
                 side.wait_stream(torch.cuda.current_stream(h.device))
-            _mhc_pre_kernel[(T, 1)](*args, **kw, ROLE=0, num_warps=min(16, max(1, block // 512)), **pdl_args())
+            _mhc_pre_kernel[(T, 1)](*args, **kw, ROLE=0, **pdl_args())
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 # a plain launch: its stream's previous kernel is no dependency of it (no PDL edge)
-                _mhc_pre_kernel[(T, 1)](*args, **kw, ROLE=1, num_warps=SIDE_WARPS)
+                _mhc_pre_kernel[(T, 1)](*args, **kw, ROLE=1)
             for t, given in ((sc, scale), (bs, base)):
                 if side is not None and t is not given:
                     t.record_stream(side)     # a temporary (scale or base was not fp32): live until it ran
