@@ -166,11 +166,12 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
     contiguous, with act_out: that rounding as e4m3 codes and power-of-two scales (codes * scales
     == act_out), which proj_gemm's FP8 rows dot on the FP8 tensor cores.
 
-    side: a CUDA stream for post and comb in small steps (T <= ROLES_MAX_T). They are needed only by
-    the sub-layer's mhc_post, and Sinkhorn's 20 dependent rounds are the longer half of this kernel
+    side: a CUDA stream for post and comb. They are needed only by the sub-layer's mhc_post, and
+    Sinkhorn's 20 dependent rounds are the longer half of this kernel in small steps
     (bench/RESULTS.md): launched on `side` as soon as the mix is done, they run beside the collapse
     and the sub-layer instead of before it. The caller's stream must wait on `side` before anything
-    reads post or comb (mhc_post's `after`). roles: 1 or 2 programs per token, or "split" (the two
+    reads post or comb (mhc_post's `after`; every call uses `side`, so that wait is always on work
+    of the same CUDA graph capture). roles: 1 or 2 programs per token, or "split" (the two
     launches of `side`, on one stream: tests); mix_plan: the mix GEMM's plan (split_k, ...: tests
     and tuning)."""
     hc, D = h.shape[-2:]
@@ -196,7 +197,7 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
         mix = mhc_mix_parts(h3, fn_hi, fn_lo, norm_eps, **mix_plan)                 # [C, T, N+1]
         C = mix.parts.shape[0]
         block = triton.next_power_of_2(D)
-        split = roles == "split" or side is not None and T <= ROLES_MAX_T
+        split = roles == "split" or side is not None
         roles = 2 if split else roles or (2 if T <= ROLES_MAX_T else 1)
         xa = act_out if act_out is not None else y
         xq, xs = act_q if act_q is not None else (y, y)

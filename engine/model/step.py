@@ -63,8 +63,8 @@ def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops, act: bool, codes: boo
     """-> the sub-layer's normed input x [B,S,D], with `act` also xa = fp8_sim(x, 128) (the FP8
     GEMMs' input in reference numerics, rounded once here; else None), with `codes` also xq = xa
     as (e4m3 codes [B,S,D], fp32 scales [B,S,D/128]) for the projections' FP8 dots (else None),
-    post [B,S,hc], comb [B,S,hc,hc] (fp32). In small steps post and comb are made on ops.side,
-    beside the sub-layer (they are mhc_post's alone): nothing else may read them."""
+    post [B,S,hc], comb [B,S,hc,hc] (fp32). post and comb are made on ops.side (CUDA), beside the
+    sub-layer (they are mhc_post's alone): nothing else may read them."""
     norm = b.attn_norm if name == "attn" else b.ffn_norm     # the mix projection, Sinkhorn, collapse, norm
     shape = h.shape[:-2] + h.shape[-1:]
     xa = torch.empty(shape, dtype=h.dtype, device=h.device) if act else None
