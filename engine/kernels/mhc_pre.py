@@ -6,7 +6,9 @@ pre/post/comb (Sinkhorn in registers), collapses the streams x = sum_j pre_j h_j
 dtype (hc_pre hands it over in that dtype) and applies the weighted RMSNorm (attn_norm /
 ffn_norm); optionally it also writes x's e4m3 round trip for the FP8 projections that read it
 (act_out), and that rounding as e4m3 codes and per-128 scales (act_q) for the projections'
-FP8 tensor-core dots. Small steps give each token two programs, the collapse and Sinkhorn side by side.
+FP8 tensor-core dots. Small steps give each token two programs, the collapse and Sinkhorn side by side;
+given a side stream (the step's ops.side), the two are launches on two streams, so that Sinkhorn's
+post and comb, which only the sub-layer's mhc_post reads, are off the step's critical path.
 Replaces engine.model.mhc.hc_pre (the mix, about 20 Sinkhorn rounds of small torch ops, the
 collapse and a cast) plus RMSNorm (and an act_sim launch).
 """
