@@ -237,7 +237,33 @@ def interp_shared():
         assert rel_err(got, ref).max().item() <= (1e-2 if dt == torch.bfloat16 else 1e-4)
 
 
-CHECKS = ["interp_align", "interp_mxfp4", "interp_nvfp4", "interp_uneven", "interp_split", "interp_shared"]
+def sum_both_ways(p, T, k, dt, seed, shared=True):
+    """fused_moe with the slot sum in the down kernel's last programs and in _sum_kernel: the same bits."""
+    g = torch.Generator().manual_seed(seed)
+    dev = p.w13.device
+    x = torch.randn(T, p.D, generator=g).to(device=dev, dtype=dt)
+    sh = torch.randn(T, p.D, generator=g).to(device=dev, dtype=dt) if shared else None
+    wt, ids = route(T, k, p.E, "invalid" if seed % 2 else "random", dev, seed)
+    keep = fm.SUM_IN_DOWN_MAX_T
+    try:
+        outs = []
+        for limit in (1 << 30, -1):           # in the down kernel, then apart
+            fm.SUM_IN_DOWN_MAX_T = limit
+            with poisoned_empty():
+                outs.append(fm.fused_moe(x, wt, ids, p, 10.0, shared=sh))
+    finally:
+        fm.SUM_IN_DOWN_MAX_T = keep
+    assert torch.equal(outs[0], outs[1]), (T, k, dt)
+
+
+def interp_sum_in_down():
+    p, _ = _small("mxfp4")
+    for T, k, dt in ((1, 6, torch.bfloat16), (5, 2, torch.float32), (9, 3, torch.bfloat16)):
+        sum_both_ways(p, T, k, dt, seed=T)
+
+
+CHECKS = ["interp_align", "interp_mxfp4", "interp_nvfp4", "interp_uneven", "interp_split", "interp_shared",
+          "interp_sum_in_down"]
 
 
 @pytest.fixture(scope="module")
@@ -285,6 +311,8 @@ def test_gpu_fp32_path_and_uneven(fmt):
     check(p, w, 256, 6, kind="skew", device="cuda", seed=1)
     check(p, w, 64, 6, kind="invalid", device="cuda", seed=2)
     check(p, w, 1, 6, device="cuda", seed=3, split_k=1)
+    for T in (1, 8, 64):          # the slot sum in the down kernel == _sum_kernel's
+        sum_both_ways(p, T, 6, torch.bfloat16, seed=T)
 
 
 @pytest.mark.gpu

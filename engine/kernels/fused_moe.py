@@ -1,7 +1,8 @@
 """Fused routed-expert MoE, W4A16: e2m1 weights stay packed and are decoded inside the GEMMs.
 
 fused_moe(x [T,D], topk_weights [T,k], topk_ids [T,k], packed, swiglu_limit) -> [T,D] fp32 computes
-what engine/model/moe.py Experts.forward does, in four launches with no host sync (CUDA-graph safe):
+what engine/model/moe.py Experts.forward does, in four launches (three in small steps), no host sync
+(CUDA-graph safe):
  1. _align_kernel: one program sorts the T*k (token, slot) pairs by expert and pads each expert's
     group to BLOCK_M rows -> sorted pair ids and one expert id per block (-1: unused). Everything is
     sized from the bound T*k + min(E, T*k)*(BM-1), so every grid is fixed per (T, k, E).
@@ -11,8 +12,9 @@ what engine/model/moe.py Experts.forward does, in four launches with no host syn
     Epilogue: clamped SwiGLU, routing weight, bf16 rounding (where the reference rounds). Small
     batches split K; the last split to take an atomic ticket adds the partials in split order.
  3. _down_kernel, per (block, 128 hidden rows): w2 against the intermediate, an fp32 row per pair.
+    Small steps (SUM_IN_DOWN_MAX_T): the last program to take a ticket for its 128 hidden rows does 4.
  4. _sum_kernel: a token's k slot rows summed in slot order; ids outside [0, E) (experts on another
-    EP rank) are skipped. No atomics anywhere: results are deterministic.
+    EP rank) are skipped. Tickets only pick which program adds, never the order: deterministic.
 
 Packed layout (pack_experts): [128 rows, 128 k] tiles of 2048 int32 words, contiguous in K-loop order:
 w13 [E, I/64, D/128, 2048] (tile rows 0-63: w1 rows 64j.., rows 64-127: the same w3 rows) and
@@ -43,6 +45,9 @@ from .common import gdc_enter, pdl_args, interpreting, num_sms, scratch
 
 BM_CHOICES = (16, 32, 64)    # routed rows per block (the wgmma N); 16 is the instruction minimum
 ALIGN_MAX = 4096             # pairs the one-program align kernel sorts in registers; more -> torch
+# Tokens up to which the down kernel's last program per 128 hidden rows sums the slots itself (no
+# _sum_kernel launch); past it that one program's serial sum would cost more than the launch.
+SUM_IN_DOWN_MAX_T = 64
 _SIGN: tl.constexpr = tl.constexpr(0x80008000)
 _MAG: tl.constexpr = tl.constexpr(0x01C001C0)
 # Per word nibble slot j = 2*q + h (q = r1 + 2*r2): bit of its sign and lowest bit of its e1e0m.
@@ -417,42 +422,64 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, tw_ptr
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, y_ptr, N, D, I,
+                 ids_ptr, sh_ptr, out_ptr, cnt_ptr, T, E, stride_sh,
                  BM: tl.constexpr, MX: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr,
+                 SUM: tl.constexpr, TOPK: tl.constexpr, BT: tl.constexpr, SHARED: tl.constexpr,
                  USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
     b, j = tl.program_id(0), tl.program_id(1)
     e = tl.load(bexp_ptr + b)
-    if e < 0:
-        return
-    NB: tl.constexpr = 4 if MX else 8
-    KT = I // 128
-    rows = b * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_ptr + rows)
-    ok = pair < N
-    tile = (e * (D // 128) + j).to(tl.int64) * KT
-    acc = _mainloop(w_ptr + tile * 2048, s_ptr + tile * 128 * NB, h_ptr, rows.to(tl.int64) * I, ok,
-                    0, KT, BM, MX, ASM, F32)
-    y = acc * tl.load(alpha_ptr + e * 3 + 2)
-    n = j * 128 + tl.arange(0, 128)
-    tl.store(y_ptr + pair.to(tl.int64)[None, :] * D + n[:, None], y, mask=ok[None, :])
+    if e >= 0:
+        NB: tl.constexpr = 4 if MX else 8
+        KT = I // 128
+        rows = b * BM + tl.arange(0, BM)
+        pair = tl.load(sorted_ptr + rows)
+        ok = pair < N
+        tile = (e * (D // 128) + j).to(tl.int64) * KT
+        acc = _mainloop(w_ptr + tile * 2048, s_ptr + tile * 128 * NB, h_ptr, rows.to(tl.int64) * I, ok,
+                        0, KT, BM, MX, ASM, F32)
+        y = acc * tl.load(alpha_ptr + e * 3 + 2)
+        n = j * 128 + tl.arange(0, 128)
+        tl.store(y_ptr + pair.to(tl.int64)[None, :] * D + n[:, None], y, mask=ok[None, :])
+    if SUM:
+        # Small steps: the last block program (unused blocks too) to finish hidden rows j sums every
+        # token's k rows there, as _sum_kernel would, so no launch of its own
+        tl.debug_barrier()                                    # every thread's rows precede the ticket
+        if tl.atomic_add(cnt_ptr + j, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            n = j * 128 + tl.arange(0, 128)
+            for t0 in range(0, T, BT):
+                _sum_rows(y_ptr, ids_ptr, sh_ptr, out_ptr, t0 + tl.arange(0, BT), n, T, D, E, stride_sh,
+                          TOPK, SHARED, True)
+            tl.store(cnt_ptr + j, 0)                          # re-armed for the next call / replay
+
+
+@triton.jit
+def _sum_rows(y_ptr, ids_ptr, sh_ptr, out_ptr, t, n, T, D, E, stride_sh, TOPK: tl.constexpr,
+              SHARED: tl.constexpr, CG: tl.constexpr):
+    """out[t, n] = sum over slots s of y[t k + s, n] (ids outside [0, E) skipped), + shared[t, n];
+    CG: y read past L1 (other programs of this launch wrote it)."""
+    acc = tl.zeros([t.shape[0], n.shape[0]], tl.float32)
+    for s in tl.static_range(TOPK):
+        e = tl.load(ids_ptr + t * TOPK + s, mask=t < T, other=-1)
+        live = (e >= 0) & (e < E)
+        at = y_ptr + (t * TOPK + s).to(tl.int64)[:, None] * D + n[None, :]
+        m = live[:, None] & (n < D)[None, :]
+        if CG:
+            acc += tl.load(at, mask=m, other=0.0, cache_modifier=".cg")
+        else:
+            acc += tl.load(at, mask=m, other=0.0)
+    tn = (t < T)[:, None] & (n < D)[None, :]
+    if SHARED:      # the shared expert's output, added after the routed sum (the reference's order)
+        acc += tl.load(sh_ptr + t.to(tl.int64)[:, None] * stride_sh + n[None, :], mask=tn, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * D + n[None, :], acc, mask=tn)
 
 
 @triton.jit
 def _sum_kernel(y_ptr, ids_ptr, sh_ptr, out_ptr, T, D, E, stride_sh, TOPK: tl.constexpr, BT: tl.constexpr,
                 BD: tl.constexpr, SHARED: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    n = tl.program_id(1) * BD + tl.arange(0, BD)
-    acc = tl.zeros([BT, BD], tl.float32)
-    for s in tl.static_range(TOPK):
-        e = tl.load(ids_ptr + t * TOPK + s, mask=t < T, other=-1)
-        live = (e >= 0) & (e < E)
-        row = (t * TOPK + s).to(tl.int64) * D
-        acc += tl.load(y_ptr + row[:, None] + n[None, :], mask=live[:, None] & (n < D)[None, :], other=0.0)
-    tn = (t < T)[:, None] & (n < D)[None, :]
-    if SHARED:      # the shared expert's output, added after the routed sum (the reference's order)
-        acc += tl.load(sh_ptr + t.to(tl.int64)[:, None] * stride_sh + n[None, :], mask=tn, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * D + n[None, :], acc, mask=tn)
+    _sum_rows(y_ptr, ids_ptr, sh_ptr, out_ptr, tl.program_id(0) * BT + tl.arange(0, BT),
+              tl.program_id(1) * BD + tl.arange(0, BD), T, D, E, stride_sh, TOPK, SHARED, False)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -502,15 +529,21 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
         n, D, I, x.stride(0), limit, kt_per, TOPK=k, BM=bm, SPLIT=split, MX=mx, ASM=asm, F32=f32,
         num_warps=4, num_stages=3, **pdl_args())
     y = torch.empty(n, D, dtype=torch.float32, device=x.device)
-    _down_kernel[(nblk, D // 128)](h, packed.w2, packed.s2, packed.alpha, sorted_ids, bexp, y, n, D, I,
-                                   BM=bm, MX=mx, ASM=asm, F32=f32, num_warps=4, num_stages=3, **pdl_args())
     out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     sh = shared.reshape(T, D) if shared is not None else out
     if sh.stride(-1) != 1:
         sh = sh.contiguous()
-    _sum_kernel[(triton.cdiv(T, 4), triton.cdiv(D, 512))](y, topk_ids.contiguous(), sh, out, T, D, E, sh.stride(0),
-                                                          TOPK=k, BT=4, BD=512, SHARED=shared is not None,
-                                                          num_warps=4, **pdl_args())
+    ids = topk_ids.contiguous()
+    fuse = T <= SUM_IN_DOWN_MAX_T
+    tickets = scratch("fused_moe.sum_tickets", x.device, D // 128, torch.int32, zero=True) if fuse else cnt
+    _down_kernel[(nblk, D // 128)](h, packed.w2, packed.s2, packed.alpha, sorted_ids, bexp, y, n, D, I,
+                                   ids, sh, out, tickets, T, E, sh.stride(0),
+                                   BM=bm, MX=mx, ASM=asm, F32=f32, SUM=fuse, TOPK=k, BT=4,
+                                   SHARED=shared is not None, num_warps=4, num_stages=3, **pdl_args())
+    if not fuse:
+        _sum_kernel[(triton.cdiv(T, 4), triton.cdiv(D, 512))](y, ids, sh, out, T, D, E, sh.stride(0),
+                                                              TOPK=k, BT=4, BD=512, SHARED=shared is not None,
+                                                              num_warps=4, **pdl_args())
     return out
 
 
