@@ -28,6 +28,7 @@ from engine.kernels.mhc_post import mhc_post, mhc_post_ref  # noqa: E402
 from engine.kernels.mhc_pre import ROLES_MAX_T, mhc_pre, mhc_pre_ref  # noqa: E402
 from engine.kernels.rope_kv import rope_qkv, rope_qkv_ref  # noqa: E402
 from engine.kernels.router import route, route_ref  # noqa: E402
+from engine.kernels.fused_moe import align_plan, moe_align_ref  # noqa: E402
 from engine.kernels.sinkhorn import sinkhorn, sinkhorn_ref  # noqa: E402
 from engine.kernels import set_kernels  # noqa: E402
 from engine.model.rope import cos_sin, inv_freq  # noqa: E402
@@ -184,7 +185,20 @@ def check_route(T, E, k, hashed, dev="cpu", ids_dtype=torch.int64):
         top = sel.topk(k + 1, dim=-1).values
         assert ((top[:, k - 1] - top[:, k])[~same] < 1e-5).all(), "ids differ beyond near-ties"
     close(w[same], wr[same], tol_for(F32, dev))
-    return lambda: route(logits, k, 1.5, **kw)
+    # with the fused MoE's experts named: the same routing, and its pair sort from the same launch
+    experts = types.SimpleNamespace(E=E, I=256, D=512)
+    with poisoned():
+        w2, ids2, aligned = route(logits, k, 1.5, ids_dtype=ids_dtype, packed=experts, **kw)
+    assert torch.equal(w2, w) and torch.equal(ids2, ids)
+    want = moe_align_ref(ids, E, align_plan(T, k, experts, dev)[0])
+    assert all(torch.equal(a, b) for a, b in zip(aligned, want))
+    assert all(torch.equal(a, b) for a, b in zip(route_ref(logits, k, 1.5, packed=experts, **kw)[2],
+                                                  moe_align_ref(idr, E, align_plan(T, k, experts, dev)[0])))
+
+    def routed():    # graph replay: the ticket is re-armed, the sort redone
+        w_, i_, a_ = route(logits, k, 1.5, packed=experts, **kw)
+        return w_, i_, *a_
+    return routed
 
 
 def check_route_ties(dev="cpu"):

@@ -217,8 +217,20 @@ def dequant_experts(p: PackedExperts, chunk: int = 16):
 def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, N, E, P_MAX, B_MAX,
                   BM: tl.constexpr, NP: tl.constexpr, EP: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
+    align_pairs(ids_ptr, sorted_ptr, bexp_ptr, N, E, P_MAX, B_MAX, BM, NP, EP, False)
+
+
+@triton.jit
+def align_pairs(ids_ptr, sorted_ptr, bexp_ptr, N, E, P_MAX, B_MAX,
+                BM: tl.constexpr, NP: tl.constexpr, EP: tl.constexpr, CG: tl.constexpr):
+    """One program: the N (token, slot) pairs' expert ids -> sorted pair ids, one expert per block
+    (moe_align_ref). CG: the ids read past L1 (other programs of this launch wrote them: the
+    router's last program, router.py)."""
     offs = tl.arange(0, NP)
-    e = tl.load(ids_ptr + offs, mask=offs < N, other=-1).to(tl.int32)
+    if CG:
+        e = tl.load(ids_ptr + offs, mask=offs < N, other=-1, cache_modifier=".cg").to(tl.int32)
+    else:
+        e = tl.load(ids_ptr + offs, mask=offs < N, other=-1).to(tl.int32)
     e = tl.where((e >= 0) & (e < E), e, E)                    # invalid ids and padding: bucket E
     cnt = tl.histogram(e, EP)
     eix = tl.arange(0, EP)
@@ -265,6 +277,17 @@ def moe_align_ref(topk_ids: torch.Tensor, E: int, bm: int):
     first = (se < E) & (rank % bm == 0)
     bexp.scatter_(0, torch.where(first, dest // bm, B), se.to(torch.int32))
     return sorted_ids[:P], bexp[:B]
+
+
+def align_plan(T: int, k: int, packed: "PackedExperts", device) -> tuple[int, int, int, int, int] | None:
+    """(BLOCK_M, padded rows P, blocks B, NP, EP) of fused_moe's pair sort for T tokens of k slots,
+    or None where the one-program sort does not take them (more than ALIGN_MAX pairs)."""
+    N = T * k
+    if N > ALIGN_MAX:
+        return None
+    bm = moe_config(T, k, packed.E, packed.I, packed.D, num_sms(device, cpu=4))[0]
+    return (bm, *align_bounds(N, packed.E, bm), max(16, triton.next_power_of_2(N)),
+            triton.next_power_of_2(packed.E + 1))
 
 
 def moe_align(topk_ids: torch.Tensor, E: int, bm: int):
@@ -501,10 +524,13 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0,
-              block_m: int | None = None, split_k: int | None = None, use_asm: bool = True, shared=None):
+              block_m: int | None = None, split_k: int | None = None, use_asm: bool = True, shared=None,
+              aligned=None):
     """x [T,D] bf16 (or fp32), topk_weights [T,k] fp32, topk_ids [T,k] int (ids outside [0,E)
     contribute nothing) -> sum_k w * expert(x) [T,D] fp32, plus `shared` [T,D] (the shared
-    expert's output, any float dtype) when given. block_m/split_k override moe_config."""
+    expert's output, any float dtype) when given. block_m/split_k override moe_config. aligned:
+    moe_align's (sorted pair ids, block experts) of topk_ids at moe_config's BLOCK_M, when the
+    router made them (router.route's `packed`), else sorted here."""
     T, D = x.shape
     k, E, I = topk_ids.shape[1], packed.E, packed.I
     if D != packed.D or x.dtype not in (torch.bfloat16, torch.float32):
@@ -516,7 +542,7 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     split = math.ceil((D // 128) / kt_per)
     mx, asm, f32 = packed.fmt == "mxfp4", use_asm and not emu, emu or x.dtype == torch.float32
     n = T * k
-    sorted_ids, bexp = moe_align(topk_ids, E, bm)
+    sorted_ids, bexp = aligned if aligned is not None and not block_m else moe_align(topk_ids, E, bm)
     nblk = bexp.numel()
     x = x.contiguous()
     h = torch.empty(nblk * bm, I, dtype=x.dtype, device=x.device)

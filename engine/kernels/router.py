@@ -1,4 +1,5 @@
-"""MoE router after the gate GEMM, one kernel: scores, top-k (or hash ids), gather, renormalise.
+"""MoE router after the gate GEMM, one kernel: scores, top-k (or hash ids), gather, renormalise;
+for the fused MoE also its pair sort (fused_moe's align, in the last program to finish).
 
 scores = sqrt(softplus(logits)); experts = top-k of scores + bias (the bias steers selection
 only), or tid2eid[token_id] in hash layers; weights = the chosen scores / their sum *
@@ -16,7 +17,8 @@ import triton
 import triton.language as tl
 
 from engine.numerics import up
-from .common import gdc_enter, pdl_args
+from .common import gdc_enter, pdl_args, scratch
+from .fused_moe import align_pairs, align_plan, moe_align_ref
 
 
 @triton.jit
@@ -28,9 +30,10 @@ def _log1p(u):
 
 @triton.jit
 def _router_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, w_ptr, id_ptr, E, stride_lt,
-                   stride_tid, route_scale,
+                   stride_tid, route_scale, sorted_ptr, bexp_ptr, cnt_ptr, N, P_MAX, B_MAX,
                    K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                   HASH: tl.constexpr, RENORM: tl.constexpr, USE_GDC: tl.constexpr = False):
+                   HASH: tl.constexpr, RENORM: tl.constexpr, ALIGN: tl.constexpr = False, BM: tl.constexpr = 16,
+                   NP: tl.constexpr = 16, EP: tl.constexpr = 16, USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
@@ -56,36 +59,59 @@ def _router_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, w_ptr, id_ptr, E, str
     km = kk < K
     tl.store(w_ptr + t * K + kk, w * route_scale, mask=km)
     tl.store(id_ptr + t * K + kk, ids.to(id_ptr.dtype.element_ty), mask=km)
+    if ALIGN:
+        # the last token's program to take the ticket sorts every pair for the fused MoE (its
+        # align kernel's work, no launch of its own)
+        tl.debug_barrier()                                    # every thread's ids precede the ticket
+        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            align_pairs(id_ptr, sorted_ptr, bexp_ptr, N, E, P_MAX, B_MAX, BM, NP, EP, True)
+            tl.store(cnt_ptr, 0)                              # re-armed for the next call / replay
 
 
 def route(logits: torch.Tensor, k: int, route_scale: float, bias: torch.Tensor | None = None,
           tid2eid: torch.Tensor | None = None, token_ids: torch.Tensor | None = None,
-          renorm: bool = True, ids_dtype: torch.dtype = torch.int64):
+          renorm: bool = True, ids_dtype: torch.dtype = torch.int64, packed=None):
     """logits [T,E] fp32 (gate GEMM output) -> weights [T,k] fp32, expert ids [T,k] (ids_dtype).
 
-    Score layers pass bias [E]; hash layers pass tid2eid [V,k] and token_ids [T] instead."""
+    Score layers pass bias [E]; hash layers pass tid2eid [V,k] and token_ids [T] instead. packed:
+    the fused MoE's experts (fused_moe.PackedExperts, its E the router's) that take these ids:
+    the same launch then also sorts the pairs for them -> (weights, ids, fused_moe's `aligned`,
+    or None where the one-program sort does not take T * k pairs)."""
     T, E = logits.shape
     hashed = tid2eid is not None
     assert hashed != (bias is not None), "either bias (top-k) or tid2eid + token_ids (hash)"
+    assert packed is None or packed.E == E, "the experts' ids are the router's"
     lg = logits.float()
     assert lg.stride(-1) == 1
     w = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, k, dtype=ids_dtype, device=logits.device)
+    plan = align_plan(T, k, packed, logits.device) if packed is not None and T else None
+    aligned = None
+    if plan is not None:
+        bm, P, B, NP, EP = plan
+        aligned = (torch.empty(P, dtype=torch.int32, device=logits.device),
+                   torch.empty(B, dtype=torch.int32, device=logits.device))
+        align_kw = dict(ALIGN=True, BM=bm, NP=NP, EP=EP)
+        cnt = scratch("router.align_ticket", logits.device, 1, torch.int32, zero=True)
+    else:
+        P = B = 0
+        align_kw, cnt = {}, w
     if T:
         dummy = w
         _router_kernel[(T,)](
             lg, bias.float().contiguous() if not hashed else dummy,
             tid2eid if hashed else ids, token_ids.contiguous() if hashed else ids, w, ids, E,
             lg.stride(0), tid2eid.stride(0) if hashed else 0, route_scale,
+            *(aligned or (ids, ids)), cnt, T * k, P, B,
             K=k, BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(k),
-            HASH=hashed, RENORM=renorm, num_warps=4 if E >= 128 else 1, **pdl_args())
-    return w, ids
+            HASH=hashed, RENORM=renorm, **align_kw, num_warps=4 if E >= 128 else 1, **pdl_args())
+    return (w, ids) if packed is None else (w, ids, aligned)
 
 
 def route_ref(logits, k, route_scale, bias=None, tid2eid=None, token_ids=None, renorm=True,
-              ids_dtype=torch.int64):
+              ids_dtype=torch.int64, packed=None):
     """Torch reference: Gate.forward's lines after its GEMM (sqrtsoftplus scoring; the tests
-    check it against Gate itself)."""
+    check it against Gate itself); with `packed` also the pairs sorted (moe_align_ref)."""
     scores = F.softplus(up(logits)).sqrt()
     if tid2eid is not None:
         idx = tid2eid[token_ids]
@@ -94,4 +120,8 @@ def route_ref(logits, k, route_scale, bias=None, tid2eid=None, token_ids=None, r
     w = scores.gather(-1, idx)
     if renorm:
         w = w / w.sum(-1, keepdim=True)
-    return w * route_scale, idx.to(ids_dtype)
+    w, idx = w * route_scale, idx.to(ids_dtype)
+    if packed is None:
+        return w, idx
+    plan = align_plan(idx.shape[0], k, packed, idx.device) if idx.shape[0] else None
+    return w, idx, moe_align_ref(idx, packed.E, plan[0]) if plan is not None else None

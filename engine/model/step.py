@@ -246,25 +246,28 @@ def moe(m: MoE, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, ids: torch.T
     x = x.reshape(-1, shape[-1])                                                          # [T,D]
     xa = xa.reshape(x.shape) if xa is not None else None
     y = ops.proj_gemm(x, proj, xa=xa, xq=xq) if proj is not None else {}   # shared w1, w3 and the router logits: one GEMM
-    w, idx = route(m.gate, x, y.get("gate"), ids.reshape(-1), ops)                       # [T,k] fp32, ids
     e, s, shared = m.experts, m.shared_experts, None
+    w, idx, aligned = route(m.gate, x, y.get("gate"), ids.reshape(-1), e.packed, ops)     # [T,k] fp32, ids
     if s is not None:            # SwiGLU, rounded for w2's FP8 input in one kernel; w2; added in the MoE sum
         act = num.act_fp8 and s.w2.fp8_gemm
         shared = linear(s.w2, ops.swiglu_act(y["w1"], y["w3"], s.limit, act, x.dtype), ops, num, rounded=act)
     if e.packed is not None:     # W4A16: in reference numerics only the input gets the FP8 rounding (block's xa)
         xin = xa if num.act_fp8 and e.quantized else x
-        out = up(ops.fused_moe(xin, w, idx, e.packed, e.limit, shared=shared))
+        out = up(ops.fused_moe(xin, w, idx, e.packed, e.limit, shared=shared, aligned=aligned))
     else:                        # the torch experts on the dequantised weights (CPU, small models)
         out = e(x, w, idx) if shared is None else e(x, w, idx) + up(shared)
     return all_reduce(out).reshape(shape)      # fp32: mhc_post casts it to the streams' dtype (no launch here)
 
 
-def route(gate, x: torch.Tensor, logits: torch.Tensor | None, ids: torch.Tensor, ops: Ops):
+def route(gate, x: torch.Tensor, logits: torch.Tensor | None, ids: torch.Tensor, packed, ops: Ops):
     """x [T,D], the gate's logits [T,E] fp32 (None: a router the kernel does not take), token ids
-    [T] -> routing weights [T,k] fp32, expert ids [T,k]."""
+    [T], the fused MoE's experts (or None) -> routing weights [T,k] fp32, expert ids [T,k], and
+    the pairs sorted for the fused MoE in the router's launch (or None: the MoE sorts them)."""
     if logits is None:
-        return gate(x, ids)
+        return *gate(x, ids), None
     if gate.is_hash:
-        return ops.route(logits, gate.topk, gate.route_scale, tid2eid=gate.tid2eid, token_ids=ids,
-                         renorm=gate.norm_topk)
-    return ops.route(logits, gate.topk, gate.route_scale, bias=gate.bias, renorm=gate.norm_topk)
+        out = ops.route(logits, gate.topk, gate.route_scale, tid2eid=gate.tid2eid, token_ids=ids,
+                        renorm=gate.norm_topk, packed=packed)
+    else:
+        out = ops.route(logits, gate.topk, gate.route_scale, bias=gate.bias, renorm=gate.norm_topk, packed=packed)
+    return out if packed is not None else (*out, None)
