@@ -474,10 +474,12 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0,
-              block_m: int | None = None, split_k: int | None = None, use_asm: bool = True, shared=None):
+              block_m: int | None = None, split_k: int | None = None, use_asm: bool = True, shared=None,
+              after=None):
     """x [T,D] bf16 (or fp32), topk_weights [T,k] fp32, topk_ids [T,k] int (ids outside [0,E)
     contribute nothing) -> sum_k w * expert(x) [T,D] fp32, plus `shared` [T,D] (the shared
-    expert's output, any float dtype) when given. block_m/split_k override moe_config."""
+    expert's output, any float dtype) when given. block_m/split_k override moe_config. after:
+    the stream `shared` is made on (beside the routed experts): the sum waits for it."""
     T, D = x.shape
     k, E, I = topk_ids.shape[1], packed.E, packed.I
     if D != packed.D or x.dtype not in (torch.bfloat16, torch.float32):
@@ -505,6 +507,8 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     _down_kernel[(nblk, D // 128)](h, packed.w2, packed.s2, packed.alpha, sorted_ids, bexp, y, n, D, I,
                                    BM=bm, MX=mx, ASM=asm, F32=f32, num_warps=4, num_stages=3, **pdl_args())
     out = torch.empty(T, D, dtype=torch.float32, device=x.device)
+    if after is not None:
+        torch.cuda.current_stream(x.device).wait_stream(after)
     sh = shared.reshape(T, D) if shared is not None else out
     if sh.stride(-1) != 1:
         sh = sh.contiguous()
