@@ -83,20 +83,27 @@ class Ops:
     proj_gemm: Callable         # proj_gemm: (x, Proj) -> {name: y}, the projections sharing x in one GEMM
     swiglu_act: Callable        # swiglu: (g, u, limit, fp8, dtype) -> the shared expert's w2 input
     side: object = None         # mhc on CUDA: a second stream, for mhc_pre's post and comb (its `side`)
+    aux: object = None          # kernels on CUDA: a third, for chains of the step beside its main one
+                                # (engine.model.step.beside); no kernel there may share the split-K
+                                # workspace (common.get_workspace assumes one stream)
 
     @classmethod
     def select(cls, device, dtype, kernels=None) -> "Ops":
         on = kernel_set(kernels) if runs_here(device, dtype) else frozenset()
         chosen = {"kernels": on}
-        for f in fields(cls)[1:-1]:
+        for f in fields(cls)[1:]:
+            if f.name not in _TABLE:      # the streams
+                continue
             switch, module, fn = _TABLE[f.name]
             mod = import_module(f".{module}", __name__)
             kernel, ref = getattr(mod, fn), getattr(mod, f"{fn}_ref")
             if switch == "act_sim":
                 kernel = _divisible(kernel, ref)
             chosen[f.name] = kernel if switch in on else ref
-        if "mhc" in on and torch.device(device).type == "cuda":
-            chosen["side"] = torch.cuda.Stream(torch.device(device))
+        if on and torch.device(device).type == "cuda":
+            chosen["aux"] = torch.cuda.Stream(torch.device(device))
+            if "mhc" in on:
+                chosen["side"] = torch.cuda.Stream(torch.device(device))
         return cls(**chosen)
 
     def uses(self, name: str) -> bool:

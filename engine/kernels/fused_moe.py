@@ -525,12 +525,13 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0,
               block_m: int | None = None, split_k: int | None = None, use_asm: bool = True, shared=None,
-              aligned=None):
+              aligned=None, after=None):
     """x [T,D] bf16 (or fp32), topk_weights [T,k] fp32, topk_ids [T,k] int (ids outside [0,E)
     contribute nothing) -> sum_k w * expert(x) [T,D] fp32, plus `shared` [T,D] (the shared
     expert's output, any float dtype) when given. block_m/split_k override moe_config. aligned:
     moe_align's (sorted pair ids, block experts) of topk_ids at moe_config's BLOCK_M, when the
-    router made them (router.route's `packed`), else sorted here."""
+    router made them (router.route's `packed`), else sorted here. after: the stream `shared` is
+    made on (beside the routed experts): the sum waits for it."""
     T, D = x.shape
     k, E, I = topk_ids.shape[1], packed.E, packed.I
     if D != packed.D or x.dtype not in (torch.bfloat16, torch.float32):
@@ -556,6 +557,8 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
         num_warps=4, num_stages=3, **pdl_args())
     y = torch.empty(n, D, dtype=torch.float32, device=x.device)
     out = torch.empty(T, D, dtype=torch.float32, device=x.device)
+    if after is not None:
+        torch.cuda.current_stream(x.device).wait_stream(after)
     sh = shared.reshape(T, D) if shared is not None else out
     if sh.stride(-1) != 1:
         sh = sh.contiguous()

@@ -15,6 +15,8 @@ H query heads (this rank's), Dh = head_dim, R/2 rope frequencies, hc residual st
 k routed per token. The cache-free whole-sequence forward of the modules (model.Transformer.forward)
 stays the oracle this is tested against.
 """
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -75,6 +77,25 @@ def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops, act: bool, codes: boo
     return x, xa, xq, post, comb
 
 
+def beside(ops: Ops, on: bool = True):
+    """-> a context whose launches go to ops.aux (CUDA), after everything the step's stream has
+    launched so far, or none (CPU, or not `on`): a chain the step's next ops do not read, run beside
+    them; join(ops) (or an op's `after=ops.aux`) before the first op that reads its output. The
+    chain may read what was made before it, never a StepInputs memo that the step's stream makes
+    later (it would race that stream)."""
+    if ops.aux is None or not on:
+        return contextlib.nullcontext()
+    ops.aux.wait_stream(torch.cuda.current_stream())
+    return torch.cuda.stream(ops.aux)
+
+
+def join(ops: Ops):
+    """The step's stream waits for what beside(ops) launched (call it only after a beside: under
+    graph capture a wait on the stream's work of an earlier, uncaptured step is an error)."""
+    if ops.aux is not None:
+        torch.cuda.current_stream().wait_stream(ops.aux)
+
+
 def linear(lin: Linear, x: torch.Tensor, ops: Ops, num: Numerics, rounded: bool = False) -> torch.Tensor:
     """x [...,in] -> [...,out] in x's dtype. DeepSeek's FP8 GEMMs take e4m3 activations (per 128
     channels) in reference numerics; the FP8 GEMM kernel rounds them itself. rounded: x is on
@@ -95,6 +116,11 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, 
     cos, sin = inp.cos_sin(a.rope_key, a.inv_freq)                                        # [B,S,R/2]
     y = ops.proj_gemm(x, proj["attn"], xa=xa, xq=xq)   # wq_a, wkv, the compressors' and indexer's x projections: one GEMM
     yq = q_up(a, y["wq_a"], proj.get("q"), ops, num)                    # the q latent's norm and up-projections
+    n = inp.max_len // a.ratio if a.compressor is not None else 0      # entries visible to the latest token
+    if a.indexer is not None:   # decode: its keys, scores and top-k beside this layer's own (rope_qkv, compressor)
+        entry_cos_sin(inp, a.ratio, a.inv_freq)      # made here: both compressors read it
+        with beside(ops, inp.decode):
+            idx_b = indexer(a.indexer, y, yq["idx.wq_b"], cos, sin, inp, cache, n, a.inv_freq, ops, num)  # [B*S,k]
     q = yq["wq_b"].unflatten(-1, (a.n_heads, a.head_dim))                                    # [B,S,H,Dh]
     # norms, RoPE, the KV's FP8 rounding; decode also writes its key into the ring here
     ring = cache.window if inp.decode else None
@@ -106,16 +132,17 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, 
         kv_a, idx_a = cache.window.flatten(0, 1), inp.once(("window rows", W), lambda: window_rows(inp, W))
     else:
         kv_a, idx_a = chunk_window(kv, inp, cache.window)
-    kv_b = idx_b = None
+    kv_b = None
     if a.compressor is not None:
         compress(a.compressor, y["comp.wkv"], y["comp.wgate"], inp, cache.kv_state, cache.score_state, cache.kv,
                  a.inv_freq, x.dtype, ops, num)
-        n = inp.max_len // a.ratio                                  # entries visible to the latest token
-        if a.indexer is not None:
-            idx_b = indexer(a.indexer, y, yq["idx.wq_b"], cos, sin, inp, cache, n, a.inv_freq, ops, num)  # [B*S,k]
-        else:
+        if a.indexer is None:
             idx_b = inp.once(("entry rows", a.ratio), lambda: entry_rows(inp, a.ratio, n))     # [B*S,n]
         kv_b = cache.kv.flatten(0, 1)
+    else:
+        idx_b = None
+    if a.indexer is not None:
+        join(ops)               # the indexer's top-k
     # the output rotated back by RoPE's inverse in the attention kernel's epilogue
     o = ops.sparse_attn(q.flatten(0, 1), kv_a, idx_a, kv_b, idx_b, a.attn_sink, a.scale,
                         rope=(cos.flatten(0, 1), sin.flatten(0, 1)))                           # [B*S,H,Dh]
@@ -200,22 +227,25 @@ def compress(c: Compressor, kv: torch.Tensor, score: torch.Tensor, inp: StepInpu
     through the decode op, the longer chunks through the compressor's torch prefill."""
     sim = c.sim_of(num)
     code = {None: SIM_NONE, "fp8": SIM_FP8, "fp4": SIM_FP4}[sim]
-    def entry_rope():   # at each token's entry position
-        return inp.cos_sin(f"entry/{c.ratio}", inv_freq, entry_ratio=c.ratio)
     if inp.decode:
-        cos, sin = entry_rope()
+        cos, sin = entry_cos_sin(inp, c.ratio, inv_freq)
         return ops.compress_decode(kv[:, 0], score[:, 0], c.ape, kv_state, score_state, store.flatten(0, 1),
                                    inp.slots, inp.positions, inp.block_table, inp.block_tokens, c.norm.weight, cos,
                                    sin, c.norm.eps, c.ratio, code)
     single, rows = inp.single_rows(), inp.multi_rows()
     if single:
         t, b = inp.single_tokens()                                                           # [m], [m]
-        cos, sin = entry_rope()                                                              # [1,T,R/2]
+        cos, sin = entry_cos_sin(inp, c.ratio, inv_freq)                                     # [1,T,R/2]
         ops.compress_decode(kv[0, t], score[0, t], c.ape, kv_state, score_state, store.flatten(0, 1), inp.slots[b],
                             inp.positions[0, t, None], inp.block_table[b], inp.block_tokens, c.norm.weight,
                             cos[0, t], sin[0, t], c.norm.eps, c.ratio, code)
     if rows:
         c.prefill(kv, score, inp, rows, kv_state, score_state, store.flatten(0, 1), inv_freq, dtype, sim)
+
+
+def entry_cos_sin(inp: StepInputs, ratio: int, inv_freq: torch.Tensor):
+    """RoPE at each token's compressed-entry position (memoised per ratio) -> cos, sin [B,S,R/2]."""
+    return inp.cos_sin(f"entry/{ratio}", inv_freq, entry_ratio=ratio)
 
 
 def indexer(ix: Indexer, y: dict, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -250,11 +280,15 @@ def moe(m: MoE, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, ids: torch.T
     w, idx, aligned = route(m.gate, x, y.get("gate"), ids.reshape(-1), e.packed, ops)     # [T,k] fp32, ids
     if s is not None:            # SwiGLU, rounded for w2's FP8 input in one kernel; w2; added in the MoE sum
         act = num.act_fp8 and s.w2.fp8_gemm
-        shared = linear(s.w2, ops.swiglu_act(y["w1"], y["w3"], s.limit, act, x.dtype), ops, num, rounded=act)
+        with beside(ops):        # beside the router and the routed experts, which it does not read
+            shared = linear(s.w2, ops.swiglu_act(y["w1"], y["w3"], s.limit, act, x.dtype), ops, num, rounded=act)
     if e.packed is not None:     # W4A16: in reference numerics only the input gets the FP8 rounding (block's xa)
         xin = xa if num.act_fp8 and e.quantized else x
-        out = up(ops.fused_moe(xin, w, idx, e.packed, e.limit, shared=shared, aligned=aligned))
+        out = up(ops.fused_moe(xin, w, idx, e.packed, e.limit, shared=shared, aligned=aligned,
+                               after=ops.aux if s is not None else None))       # the sum waits for `shared`
     else:                        # the torch experts on the dequantised weights (CPU, small models)
+        if s is not None:
+            join(ops)
         out = e(x, w, idx) if shared is None else e(x, w, idx) + up(shared)
     return all_reduce(out).reshape(shape)      # fp32: mhc_post casts it to the streams' dtype (no launch here)
 
