@@ -20,6 +20,10 @@ breakdown by kernel class of one eager step.
 same measurement then runs first with DIR's engine in a subprocess (this script, with DIR first on
 the path: the grid rounding and bookkeeping are this tree's, the model and kernels DIR's) and the
 rows print side by side, labelled by variant ("HEAD" and DIR's commit).
+
+--compiled: also the baseline a user would pick instead, in a subprocess: the torch reference step
+(kernels off, the routed experts dequantised to bf16) under torch.compile and a CUDA graph
+(compile_step), at --compiled-batches (1 and 64), labelled "compiled".
 """
 import argparse
 import json
@@ -28,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -87,7 +92,9 @@ def simulate_rank(rank: int, tp: int):
     (init or state.simulate)(rank, tp)
 
 
-def build(layers: int, tp: int, experts: str = "mxfp4"):
+def build(layers: int, tp: int, experts: str = "mxfp4", kernels=None):
+    """-> (cfg, model) of one rank in the real formats, prepared with `kernels` (None: the default
+    set, whose fused MoE must take every expert; "none": the references, experts left in bf16)."""
     # nvfp4: W4A16 experts as NVIDIA's checkpoint declares them (no FP8 rounding of their inputs)
     cfg = ModelConfig.from_dict({**real_dict(layers), "expert_dtype": "nvfp4" if experts == "nvfp4" else "fp4"})
     simulate_rank(0, tp)        # collectives answered at no cost: make_row adds their modelled cost
@@ -108,8 +115,8 @@ def build(layers: int, tp: int, experts: str = "mxfp4"):
     # FP8 projections on the e4m3 grid, as a checkpoint's: the packed projections keep them as FP8
     round_fp8_linears(model, formats.fp8_block_quant, getattr(formats, "fp8_block_dequant", None) or _dequant())
     model.set_numerics("reference").eval()
-    model.prepare_kernels()
-    left = unpacked_experts(model)
+    model.prepare_kernels(kernels)
+    left = unpacked_experts(model) if model.ops.uses("fused_moe") else []
     if left:
         raise RuntimeError(f"{len(left)} experts modules did not pack for the fused MoE kernel ({left[:3]} ...): "
                            "the bench would time the torch fallback, not the engine's decode step")
@@ -139,8 +146,12 @@ def step_bytes(model, cfg, tp: int, batch: int, ctx_len: int) -> int:
                 total += p.w8.numel() + p.s8.numel() - bf16_rows * p.K * 2
     E, k = cfg.n_routed_experts, cfg.n_activated_experts
     touched = E * (1 - (1 - 1 / E) ** (batch * k))                  # expected distinct experts
-    p = model.layers[0].ffn.experts.packed
-    per_expert = sum(t.numel() * t.element_size() for t in (p.w13, p.s13, p.w2, p.s2)) // p.E
+    ex = model.layers[0].ffn.experts
+    p = ex.packed
+    if p is not None:
+        per_expert = sum(t.numel() * t.element_size() for t in (p.w13, p.s13, p.w2, p.s2)) // p.E
+    else:      # the reference's experts (the --compiled baseline): as held, bf16
+        per_expert = sum(w[0].numel() * w.element_size() for w in (ex.w1, ex.w3, ex.w2))
     total += int(cfg.n_layers * touched * per_expert)
     kv = 0
     for i in range(cfg.n_layers):
@@ -232,6 +243,11 @@ def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
     slots, positions = torch.arange(B, device="cuda"), torch.full((B, 1), ctx_len - 1, device="cuda")
     run = step_fn(model, cache, ids, slots, positions, table, ctx_len)
     with torch.inference_mode():
+        if args.compile:     # the first call compiles: report how long, outside the timings
+            t0 = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            print(f"  ctx {ctx_len} B {B}: first (compiling) step {time.perf_counter() - t0:.1f} s", flush=True)
         t_eager = timed(run, reps=10)
         t_graph = t_avg = None
         if not args.no_graphs:
@@ -252,8 +268,25 @@ def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
     return row
 
 
+def compile_step():
+    """The baseline a user would reach for: the torch reference step (kernels off) with every
+    block under torch.compile (inductor, specialised shapes; one graph per kind of layer and batch,
+    the collectives and data-dependent sizes breaking it where they must), the whole step then
+    captured in a CUDA graph as ours is (measure's `graphed`)."""
+    import torch._dynamo
+
+    from engine.model import step
+
+    cfg = torch._dynamo.config                       # 43 blocks of several kinds, at each batch
+    setattr(cfg, "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit", 256)
+    cfg.accumulated_recompile_limit = 4096
+    step.block = torch.compile(step.block, dynamic=False)
+
+
 def run_all(args, bw) -> list[dict]:
-    cfg, model = build(args.layers, args.tp, args.experts)
+    cfg, model = build(args.layers, args.tp, args.experts, "none" if args.compile else None)
+    if args.compile:
+        compile_step()
     rows = []
     print(HEADER)
     for ctx_len in [int(c) for c in args.contexts.split(",")]:
@@ -274,7 +307,8 @@ def run_all(args, bw) -> list[dict]:
             for kset in args.kernel_sets.split(";"):
                 use_kernels(model, kset)
                 rows.append(measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset))
-            use_kernels(model, "default")
+            if not args.compile:      # (prepare_kernels with the fused MoE would pack its bf16 experts)
+                use_kernels(model, "default")
             del cache
             torch.cuda.empty_cache()
     del model
@@ -300,6 +334,18 @@ def child_command(args, label: str, out: str) -> list[str]:
            "--contexts", args.contexts, "--batches", args.batches, "--kernel-sets", args.kernel_sets,
            "--experts", args.experts, "--variant", label, "--out", out]
     return cmd + (["--no-graphs"] if args.no_graphs else []) + (["--average", str(args.average)] if args.average else [])
+
+
+def run_compiled(args) -> list[dict]:
+    """The torch.compile baseline (compile_step) at --compiled-batches, in a subprocess of this tree
+    (its model holds the experts in bf16: no room beside ours) -> its rows."""
+    with tempfile.TemporaryDirectory() as d:
+        out = str(Path(d) / "rows.json")
+        cmd = child_command(argparse.Namespace(**{**vars(args), "batches": args.compiled_batches,
+                                                  "kernel_sets": "none"}), "compiled", out)
+        print("--- torch.compile baseline (kernels off) ---", flush=True)
+        subprocess.run(cmd + ["--compile"], check=True)
+        return json.loads(Path(out).read_text())["rows"]
 
 
 def run_baseline(args) -> list[dict]:
@@ -333,6 +379,10 @@ def parse_args(argv=None):
                     help="the grid the random routed experts are rounded onto (the fused MoE packs either)")
     ap.add_argument("--baseline", default=None, metavar="DIR",
                     help="also measure the engine of this checkout (an older commit), side by side")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also time the torch reference step under torch.compile + CUDA graphs (compile_step)")
+    ap.add_argument("--compiled-batches", default="1,64", help="the batches of --compiled")
+    ap.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)   # the --compiled child
     ap.add_argument("--variant", default="HEAD", help="this tree's label in the rows")
     ap.add_argument("--out", default=None, help="write the rows (all variants) as JSON")
     ap.add_argument("--pdl-ab", action="store_true", help="also time each graph captured with PDL off, alternating")
@@ -355,8 +405,9 @@ def main(argv=None):
     bw, peak = measure_bandwidth(), measure_bf16_peak()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
     rows = run_baseline(args) if args.baseline else []     # first: one model in GPU memory at a time
+    rows += run_compiled(args) if args.compiled else []
     rows += run_all(args, bw)
-    if args.baseline:
+    if args.baseline or args.compiled:
         print("\n".join(side_by_side(rows)))
     if args.out:
         with open(args.out, "w") as f:

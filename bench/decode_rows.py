@@ -54,12 +54,12 @@ def format_row(r: dict) -> str:
 
 
 def side_by_side(rows: list[dict]) -> list[str]:
-    """Rows of every variant grouped by (ctx, batch, kernel set), variants in first-seen order, each
-    after the first with its graph-time speedup over the first."""
-    order = list(dict.fromkeys(r["variant"] for r in rows))
+    """Rows of every variant and kernel set grouped by (ctx, batch), variants in first-seen order,
+    each after the first with its graph-time speedup over the first."""
+    order = list(dict.fromkeys((r["variant"], r["kernel_set"]) for r in rows))
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["ctx"], r["batch"], r["kernel_set"]), {})[r["variant"]] = r
+        groups.setdefault((r["ctx"], r["batch"]), {})[(r["variant"], r["kernel_set"])] = r
     lines = [HEADER]
     for key in sorted(groups):
         g, first = groups[key], None
@@ -71,6 +71,6 @@ def side_by_side(rows: list[dict]) -> list[str]:
             if first is None:
                 first = t
             else:
-                line += f"  x{first / t:.2f} vs {order[0]}"
+                line += f"  x{first / t:.2f} vs {order[0][0]}"
             lines.append(line)
     return lines
