@@ -12,9 +12,10 @@ The dims and grid rounding are engine/realdims.py's (engine.simulate builds its 
 For each context and batch: step time eager and under a CUDA graph (median of CUDA-event
 timings after warm-up) at the last position of the context, where every compressor's window
 completes (the worst step: each CSA and HCA layer pools an entry), with --average N also the
-mean graph step over the N positions up to it (CSA pools every 4th token, HCA every 128th), tok/s, kernel launches per step (and per layer), bytes the step must
-read against the measured HBM bandwidth (roofline_ms, achieved_tbs), and a torch.profiler
-breakdown by kernel class of one eager step.
+mean graph step over the N positions up to it (CSA pools every 4th token, HCA every 128th),
+tok/s, kernel launches per step (and per layer), bytes the step must read against the measured
+HBM bandwidth (roofline_ms, achieved_tbs), and a torch.profiler breakdown by kernel class of one
+eager step.
 
 --baseline DIR: DIR is a checkout of an older commit (`git worktree add /tmp/base c478b5a`). The
 same measurement then runs first with DIR's engine in a subprocess (this script, with DIR first on

@@ -91,8 +91,8 @@ class Ops:
     def select(cls, device, dtype, kernels=None) -> "Ops":
         on = kernel_set(kernels) if runs_here(device, dtype) else frozenset()
         chosen = {"kernels": on}
-        for f in fields(cls)[1:]:
-            if f.name not in _TABLE:      # the streams
+        for f in fields(cls):
+            if f.name not in _TABLE:      # kernels and the streams: not ops
                 continue
             switch, module, fn = _TABLE[f.name]
             mod = import_module(f".{module}", __name__)
