@@ -276,11 +276,15 @@ def compile_step():
     captured in a CUDA graph as ours is (measure's `graphed`)."""
     import torch._dynamo
 
-    from engine.model import step
+    from engine.model import kv_cache, step
 
     cfg = torch._dynamo.config                       # 43 blocks of several kinds, at each batch
     setattr(cfg, "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit", 256)
     cfg.accumulated_recompile_limit = 4096
+    # the step's memo (rope tables made by the first layer that asks) left out of the traces: traced,
+    # its dict's contents are guarded, and every layer that finds another set of keys recompiles
+    memo = kv_cache.StepInputs.once
+    kv_cache.StepInputs.once = torch._dynamo.disable(memo)
     step.block = torch.compile(step.block, dynamic=False)
 
 
