@@ -25,10 +25,10 @@ class _Pins:
 def record():
     pins, orig = _Pins(), step.route
 
-    def route(gate, x, logits, ids, ops):
-        w, idx = orig(gate, x, logits, ids, ops)
-        pins.ids.append(idx.clone())
-        return w, idx
+    def route(gate, x, logits, ids, packed, ops):
+        out = orig(gate, x, logits, ids, packed, ops)
+        pins.ids.append(out[1].clone())
+        return out
 
     step.route = route
     try:
@@ -42,18 +42,18 @@ def replay(recorded: _Pins):
     assert recorded.ids, "no routing call was recorded: is engine.model.step.route still the step's router?"
     pins, orig, queue = _Pins(), step.route, list(recorded.ids)
 
-    def route(gate, x, logits, ids, ops):
-        w, idx = orig(gate, x, logits, ids, ops)
-        want = queue.pop(0).to(idx.device)
+    def route(gate, x, logits, ids, packed, ops):
+        out = orig(gate, x, logits, ids, packed, ops)
+        want = queue.pop(0).to(out[1].device)
         pins.calls += 1
-        if torch.equal(idx.to(want.dtype), want):
-            return w, idx
+        if torch.equal(out[1].to(want.dtype), want):
+            return out
         pins.pinned += 1
         scores = F.softplus(F.linear(x.float(), gate.weight.float())).sqrt()
         w = scores.gather(-1, want.long())
         if gate.norm_topk:
             w = w / w.sum(-1, keepdim=True)
-        return w * gate.route_scale, want
+        return w * gate.route_scale, want, None     # (None: the fused MoE sorts the pinned pairs itself)
 
     step.route = route
     try:
