@@ -116,7 +116,7 @@ def build(layers: int, tp: int, experts: str = "mxfp4", kernels=None):
     # FP8 projections on the e4m3 grid, as a checkpoint's: the packed projections keep them as FP8
     round_fp8_linears(model, formats.fp8_block_quant, getattr(formats, "fp8_block_dequant", None) or _dequant())
     model.set_numerics("reference").eval()
-    model.prepare_kernels(kernels)
+    model.prepare_kernels(*([] if kernels is None else [kernels]))     # (an older tree's takes no set)
     left = unpacked_experts(model) if model.ops.uses("fused_moe") else []
     if left:
         raise RuntimeError(f"{len(left)} experts modules did not pack for the fused MoE kernel ({left[:3]} ...): "
