@@ -117,7 +117,7 @@ def build(layers: int, tp: int, experts: str = "mxfp4", kernels=None):
     round_fp8_linears(model, formats.fp8_block_quant, getattr(formats, "fp8_block_dequant", None) or _dequant())
     model.set_numerics("reference").eval()
     model.prepare_kernels(*([] if kernels is None else [kernels]))     # (an older tree's takes no set)
-    left = unpacked_experts(model) if model.ops.uses("fused_moe") else []
+    left = unpacked_experts(model) if kernels != "none" else []
     if left:
         raise RuntimeError(f"{len(left)} experts modules did not pack for the fused MoE kernel ({left[:3]} ...): "
                            "the bench would time the torch fallback, not the engine's decode step")
