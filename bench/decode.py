@@ -281,7 +281,8 @@ def compile_step():
 
     cfg = torch._dynamo.config                       # 43 blocks of several kinds, at each batch
     setattr(cfg, "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit", 256)
-    cfg.accumulated_recompile_limit = 4096
+    if hasattr(cfg, "accumulated_recompile_limit"):
+        cfg.accumulated_recompile_limit = 4096
     # the step's memo (rope tables made by the first layer that asks) left out of the traces: traced,
     # its dict's contents are guarded, and every layer that finds another set of keys recompiles
     kv_cache.StepInputs.once = torch._dynamo.disable(kv_cache.StepInputs.once)

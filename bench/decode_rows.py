@@ -68,9 +68,9 @@ def side_by_side(rows: list[dict]) -> list[str]:
                 continue
             r, line = g[v], format_row(g[v])
             t = r["graph_ms"] or r["eager_ms"]
-            if first is None:
-                first = t
+            if first is None:       # the group's first row present is what the others compare with
+                first, label = t, v[0] if v[1] == "default" else f"{v[0]} [{v[1]}]"
             else:
-                line += f"  x{first / t:.2f} vs {order[0][0]}"
+                line += f"  x{first / t:.2f} vs {label}"
             lines.append(line)
     return lines

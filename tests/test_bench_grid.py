@@ -62,6 +62,16 @@ def test_rows_and_side_by_side():
     assert new["roofline_ms"] == pytest.approx(1.0) and new["achieved_tbs"] == pytest.approx(4.8)
     lines = side_by_side([old, new])
     assert len(lines) == 3 and "c478b5a" in lines[1] and "HEAD" in lines[2] and "x2.00 vs c478b5a" in lines[2]
+    # a batch the first variant did not run (--compiled's 1 and 64 beside ours at 16): compared with
+    # the row that is there, and labelled so
+    comp = make_row(variant="compiled", eager_s=3e-3, graph_s=4e-3, **kw)
+    lone = make_row(variant="HEAD", eager_s=2e-3, graph_s=1e-3, **{**kw, "batch": 16})
+    lines = side_by_side([comp, new, lone])
+    assert "x4.00 vs compiled" in lines[2] and lines[3].split()[:3] == ["HEAD", "8192", "16"] and " vs " not in lines[3]
+    other = make_row(variant="HEAD", eager_s=2e-3, graph_s=2e-3, **{**kw, "kernel_set": "none"})
+    lines = side_by_side([new, other])
+    assert "x0.50 vs HEAD" in lines[2] and "[none]" in lines[2]
+    assert "x2.00 vs HEAD [none]" in side_by_side([other, new])[2]
 
 
 def test_baseline_child_runs_this_script_on_the_other_tree(tmp_path, monkeypatch):

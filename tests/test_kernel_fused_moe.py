@@ -22,6 +22,7 @@ import torch
 from conftest import rel_err
 from interp import finished, patch_interpreter, started
 from engine.kernels import fused_moe as fm
+from engine.kernels import moe_align as ma
 from engine.model import formats as F
 
 LUT = torch.tensor(F.E2M1_VALUES)
@@ -141,8 +142,8 @@ def test_pack_checks_input():
                                            (37, 3, 5, 16, "invalid"), (3000, 6, 32, 32, "random")])
 def test_align_ref(T, k, E, bm, kind):
     _, ids = route(T, k, E, kind)
-    sorted_ids, bexp = fm.moe_align_ref(ids, E, bm)
-    P, B = fm.align_bounds(T * k, E, bm)
+    sorted_ids, bexp = ma.moe_align_ref(ids, E, bm)
+    P, B = ma.align_bounds(T * k, E, bm)
     assert sorted_ids.shape == (P,) and bexp.shape == (B,)
     flat, live = ids.reshape(-1), ((ids >= 0) & (ids < E)).reshape(-1)
     real = sorted_ids[sorted_ids < T * k].long()
@@ -174,18 +175,18 @@ SMALL = dict(E=8, D=256, I=128)
 
 def _small(fmt):
     p, w = experts(fmt, **SMALL)
-    fm.ALIGN_MAX = 0          # the torch routing (interp_align proves it equal); the interpreted sort is slow
+    ma.ALIGN_MAX = 0          # the torch routing (interp_align proves it equal); the interpreted sort is slow
     return p, w
 
 
 def interp_align():
-    fm.ALIGN_MAX = 4096
+    ma.ALIGN_MAX = 4096
     for T, k, E, bm, kind in [(1, 6, 256, 16, "random"), (3, 2, 8, 16, "invalid"), (16, 6, 8, 16, "skew"),
                               (64, 2, 8, 32, "random"), (200, 2, 8, 64, "skew")]:
         _, ids = route(T, k, E, kind)
         with poisoned_empty():
-            got = fm.moe_align(ids, E, bm)
-        want = fm.moe_align_ref(ids, E, bm)
+            got = ma.moe_align(ids, E, bm)
+        want = ma.moe_align_ref(ids, E, bm)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), (T, k, E, bm, kind)
 
 

@@ -28,7 +28,8 @@ from engine.kernels.mhc_post import mhc_post, mhc_post_ref  # noqa: E402
 from engine.kernels.mhc_pre import ROLES_MAX_T, mhc_pre, mhc_pre_ref  # noqa: E402
 from engine.kernels.rope_kv import rope_qkv, rope_qkv_ref  # noqa: E402
 from engine.kernels.router import route, route_ref  # noqa: E402
-from engine.kernels.fused_moe import align_plan, moe_align_ref  # noqa: E402
+from engine.kernels.fused_moe import align_plan  # noqa: E402
+from engine.kernels.moe_align import moe_align_ref  # noqa: E402
 from engine.kernels.sinkhorn import sinkhorn, sinkhorn_ref  # noqa: E402
 from engine.kernels import set_kernels  # noqa: E402
 from engine.model.rope import cos_sin, inv_freq  # noqa: E402

@@ -84,8 +84,9 @@ class Ops:
     swiglu_act: Callable        # swiglu: (g, u, limit, fp8, dtype) -> the shared expert's w2 input
     side: object = None         # mhc on CUDA: a second stream, for mhc_pre's post and comb (its `side`)
     aux: object = None          # kernels on CUDA: a third, for chains of the step beside its main one
-                                # (engine.model.step.beside); no kernel there may share the split-K
-                                # workspace (common.get_workspace assumes one stream)
+                                # (engine.model.step.beside); a split-K GEMM there (the shared
+                                # expert's w2) shares common.get_workspace's buffer, so none may run
+                                # on the step's stream meanwhile (there: the router, the fused MoE)
 
     @classmethod
     def select(cls, device, dtype, kernels=None) -> "Ops":

@@ -1,11 +1,13 @@
 """Fused routed-expert MoE, W4A16: e2m1 weights stay packed and are decoded inside the GEMMs.
 
 fused_moe(x [T,D], topk_weights [T,k], topk_ids [T,k], packed, swiglu_limit) -> [T,D] fp32 computes
-what engine/model/moe.py Experts.forward does, in four launches (three in small steps), no host sync
-(CUDA-graph safe):
- 1. _align_kernel: one program sorts the T*k (token, slot) pairs by expert and pads each expert's
-    group to BLOCK_M rows -> sorted pair ids and one expert id per block (-1: unused). Everything is
-    sized from the bound T*k + min(E, T*k)*(BM-1), so every grid is fixed per (T, k, E).
+what engine/model/moe.py Experts.forward does, in up to four launches (two in decode steps, where
+the router sorts the pairs and the down kernel sums), no host sync (CUDA-graph safe):
+ 1. moe_align.py's _align_kernel: one program sorts the T*k (token, slot) pairs by expert and pads
+    each expert's group to BLOCK_M rows -> sorted pair ids and one expert id per block (-1: unused).
+    Everything is sized from the bound T*k + min(E, T*k)*(BM-1), so every grid is fixed per
+    (T, k, E). In decode steps the router's last program does this sort instead (router.py,
+    `aligned`): no launch here.
  2. _gate_up_kernel, per (block, 64 intermediate columns, K split): one [128, 128] tile (64 gate +
     64 up rows) is decoded to bf16 straight into wgmma's register A operand, against the gathered
     activations (swap-AB: weights are M, tokens N, so a lone decode token still fills the wide side).
@@ -41,10 +43,10 @@ import triton
 import triton.language as tl
 
 from engine.numerics import E2M1_VALUES, up, up_dtype
+from . import moe_align as ma
 from .common import gdc_enter, pdl_args, interpreting, num_sms, scratch
 
 BM_CHOICES = (16, 32, 64)    # routed rows per block (the wgmma N); 16 is the instruction minimum
-ALIGN_MAX = 4096             # pairs the one-program align kernel sorts in registers; more -> torch
 # Tokens up to which the down kernel's last program per 128 hidden rows sums the slots itself (no
 # _sum_kernel launch); past it that one program's serial sum would cost more than the launch.
 SUM_IN_DOWN_MAX_T = 64
@@ -213,94 +215,16 @@ def dequant_experts(p: PackedExperts, chunk: int = 16):
 
 # ----------------------------------------------------------------------------- routing
 
-@triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, N, E, P_MAX, B_MAX,
-                  BM: tl.constexpr, NP: tl.constexpr, EP: tl.constexpr, USE_GDC: tl.constexpr = False):
-    gdc_enter(USE_GDC)
-    align_pairs(ids_ptr, sorted_ptr, bexp_ptr, N, E, P_MAX, B_MAX, BM, NP, EP, False)
-
-
-@triton.jit
-def align_pairs(ids_ptr, sorted_ptr, bexp_ptr, N, E, P_MAX, B_MAX,
-                BM: tl.constexpr, NP: tl.constexpr, EP: tl.constexpr, CG: tl.constexpr):
-    """One program: the N (token, slot) pairs' expert ids -> sorted pair ids, one expert per block
-    (moe_align_ref). CG: the ids read past L1 (other programs of this launch wrote them: the
-    router's last program, router.py)."""
-    offs = tl.arange(0, NP)
-    if CG:
-        e = tl.load(ids_ptr + offs, mask=offs < N, other=-1, cache_modifier=".cg").to(tl.int32)
-    else:
-        e = tl.load(ids_ptr + offs, mask=offs < N, other=-1).to(tl.int32)
-    e = tl.where((e >= 0) & (e < E), e, E)                    # invalid ids and padding: bucket E
-    cnt = tl.histogram(e, EP)
-    eix = tl.arange(0, EP)
-    padded = tl.where(eix < E, (cnt + BM - 1) // BM * BM, 0)
-    pstart = tl.cumsum(padded, 0) - padded
-    cstart = tl.cumsum(cnt, 0) - cnt
-    key = tl.sort(e * NP + offs)                              # by expert, then pair: stable
-    se = key // NP
-    rank = offs - tl.gather(cstart, se, 0)                    # position inside the expert's group
-    dest = tl.gather(pstart, se, 0) + rank
-    ok = se < E
-    for i in range(0, tl.cdiv(P_MAX, NP)):
-        o = i * NP + offs
-        tl.store(sorted_ptr + o, tl.full([NP], N, tl.int32), mask=o < P_MAX)   # padding rows: sentinel N
-    for i in range(0, tl.cdiv(B_MAX, NP)):
-        o = i * NP + offs
-        tl.store(bexp_ptr + o, tl.full([NP], -1, tl.int32), mask=o < B_MAX)
-    tl.debug_barrier()                                        # the fills land before the scatter
-    tl.store(sorted_ptr + dest, key % NP, mask=ok)
-    tl.store(bexp_ptr + dest // BM, se, mask=ok & (rank % BM == 0))
-
-
-def align_bounds(n_pairs: int, E: int, bm: int) -> tuple[int, int]:
-    """(padded rows, blocks) upper bounds: at most min(E, pairs) experts each waste < bm rows."""
-    b = (n_pairs + min(E, n_pairs) * (bm - 1)) // bm
-    return b * bm, b
-
-
-def moe_align_ref(topk_ids: torch.Tensor, E: int, bm: int):
-    """Torch version of _align_kernel (fixed shapes, no host sync): (sorted [P] int32, bexp [B] int32)."""
-    flat = topk_ids.reshape(-1).long()
-    N, dev = flat.numel(), flat.device
-    P, B = align_bounds(N, E, bm)
-    e = torch.where((flat >= 0) & (flat < E), flat, E)
-    order = torch.sort(e * N + torch.arange(N, device=dev)).indices
-    se = e[order]
-    cnt = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, e, torch.ones_like(e))  # bincount syncs
-    padded = torch.where(torch.arange(E + 1, device=dev) < E, (cnt + bm - 1) // bm * bm, 0)
-    rank = torch.arange(N, device=dev) - (torch.cumsum(cnt, 0) - cnt)[se]
-    dest = torch.where(se < E, (torch.cumsum(padded, 0) - padded)[se] + rank, P)
-    sorted_ids = torch.full((P + 1,), N, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    bexp = torch.full((B + 1,), -1, dtype=torch.int32, device=dev)
-    first = (se < E) & (rank % bm == 0)
-    bexp.scatter_(0, torch.where(first, dest // bm, B), se.to(torch.int32))
-    return sorted_ids[:P], bexp[:B]
-
-
 def align_plan(T: int, k: int, packed: "PackedExperts", device) -> tuple[int, int, int, int, int] | None:
     """(BLOCK_M, padded rows P, blocks B, NP, EP) of fused_moe's pair sort for T tokens of k slots,
     or None where the one-program sort does not take them (more than ALIGN_MAX pairs)."""
     N = T * k
-    if N > ALIGN_MAX:
+    if N > ma.ALIGN_MAX:
         return None
     bm = moe_config(T, k, packed.E, packed.I, packed.D, num_sms(device, cpu=4))[0]
-    return (bm, *align_bounds(N, packed.E, bm), max(16, triton.next_power_of_2(N)),
+    return (bm, *ma.align_bounds(N, packed.E, bm), max(16, triton.next_power_of_2(N)),
             triton.next_power_of_2(packed.E + 1))
 
-
-def moe_align(topk_ids: torch.Tensor, E: int, bm: int):
-    N = topk_ids.numel()
-    if N > ALIGN_MAX:
-        return moe_align_ref(topk_ids, E, bm)
-    P, B = align_bounds(N, E, bm)
-    sorted_ids = torch.empty(P, dtype=torch.int32, device=topk_ids.device)
-    bexp = torch.empty(B, dtype=torch.int32, device=topk_ids.device)
-    NP = max(16, triton.next_power_of_2(N))
-    _align_kernel[(1,)](topk_ids.reshape(-1), sorted_ids, bexp, N, E, P, B, BM=bm, NP=NP,
-                        EP=triton.next_power_of_2(E + 1), num_warps=8, **pdl_args())
-    return sorted_ids, bexp
 
 
 # ----------------------------------------------------------------------------- decode
@@ -543,7 +467,7 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     split = math.ceil((D // 128) / kt_per)
     mx, asm, f32 = packed.fmt == "mxfp4", use_asm and not emu, emu or x.dtype == torch.float32
     n = T * k
-    sorted_ids, bexp = aligned if aligned is not None and not block_m else moe_align(topk_ids, E, bm)
+    sorted_ids, bexp = aligned if aligned is not None and not block_m else ma.moe_align(topk_ids, E, bm)
     nblk = bexp.numel()
     x = x.contiguous()
     h = torch.empty(nblk * bm, I, dtype=x.dtype, device=x.device)
@@ -577,10 +501,13 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
 
 
 def fused_moe_ref(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0, weights=None,
-                  shared=None, **_):
+                  shared=None, after=None, **_):
     """experts_ref (the model's Experts.forward math) on the dequantized experts, in x's dtype; ids
     outside [0, E) count as weight 0; then + up(shared) when given. weights: dequant_experts(packed),
-    if at hand (cached on CPU)."""
+    if at hand (cached on CPU). after: the stream `shared` is made on: waited for first (fused_moe's
+    contract: a step with the kernel off still runs the shared expert beside)."""
+    if after is not None:
+        torch.cuda.current_stream(x.device).wait_stream(after)
     if weights is None:
         weights = getattr(packed, "_dequant", None) or dequant_experts(packed)
         if not x.is_cuda:

@@ -18,7 +18,8 @@ import triton.language as tl
 
 from engine.numerics import up
 from .common import gdc_enter, pdl_args, scratch
-from .fused_moe import align_pairs, align_plan, moe_align_ref
+from .fused_moe import align_plan
+from .moe_align import align_pairs, moe_align_ref
 
 
 @triton.jit

@@ -81,8 +81,9 @@ def beside(ops: Ops, on: bool = True):
     """-> a context whose launches go to ops.aux (CUDA), after everything the step's stream has
     launched so far, or none (CPU, or not `on`): a chain the step's next ops do not read, run beside
     them; join(ops) (or an op's `after=ops.aux`) before the first op that reads its output. The
-    chain may read what was made before it, never a StepInputs memo that the step's stream makes
-    later (it would race that stream)."""
+    chain may read what was made before it; a StepInputs memo it makes (inp.once) is on its
+    stream: the step's stream must not read that before the join (make such a memo before the
+    chain, as attention does with entry_cos_sin, when both read it)."""
     if ops.aux is None or not on:
         return contextlib.nullcontext()
     ops.aux.wait_stream(torch.cuda.current_stream())
@@ -141,7 +142,7 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, 
         kv_b = cache.kv.flatten(0, 1)
     else:
         idx_b = None
-    if a.indexer is not None:
+    if a.indexer is not None and inp.decode:
         join(ops)               # the indexer's top-k
     # the output rotated back by RoPE's inverse in the attention kernel's epilogue
     o = ops.sparse_attn(q.flatten(0, 1), kv_a, idx_a, kv_b, idx_b, a.attn_sink, a.scale,
@@ -277,10 +278,11 @@ def moe(m: MoE, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, ids: torch.T
     xa = xa.reshape(x.shape) if xa is not None else None
     y = ops.proj_gemm(x, proj, xa=xa, xq=xq) if proj is not None else {}   # shared w1, w3 and the router logits: one GEMM
     e, s, shared = m.experts, m.shared_experts, None
-    w, idx, aligned = route(m.gate, x, y.get("gate"), ids.reshape(-1), e.packed, ops)     # [T,k] fp32, ids
+    packed = e.packed if ops.uses("fused_moe") else None      # the router sorts the pairs for the kernel only
+    w, idx, aligned = route(m.gate, x, y.get("gate"), ids.reshape(-1), packed, ops)       # [T,k] fp32, ids
     if s is not None:            # SwiGLU, rounded for w2's FP8 input in one kernel; w2; added in the MoE sum
         act = num.act_fp8 and s.w2.fp8_gemm
-        with beside(ops):        # beside the router and the routed experts, which it does not read
+        with beside(ops):        # beside the routed experts, which it does not read
             shared = linear(s.w2, ops.swiglu_act(y["w1"], y["w3"], s.limit, act, x.dtype), ops, num, rounded=act)
     if e.packed is not None:     # W4A16: in reference numerics only the input gets the FP8 rounding (block's xa)
         xin = xa if num.act_fp8 and e.quantized else x
