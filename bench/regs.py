@@ -1,0 +1,156 @@
+"""Do the decode step's kernels spill? Registers and spills of every Triton launch, without a GPU.
+
+A child process (TRITON_INTERPRET=1) builds one simulated TP=8 rank at the real dims (--layers
+blocks, random weights in the real formats, the kernels interpreted on the CPU) and runs a short
+prompt and a few decode steps; every launch is recorded with its arguments' types, 16-byte
+divisibility (as Triton specialises a launch) and constexprs. This process then compiles each
+distinct launch for sm_90 (triton.compile with a GPUTarget: no driver needed) and runs the
+wheel's ptxas -v on it. The interpreter's own settings are put back to the GPU's first (USE_GDC on,
+no software rounding, the fused MoE's asm decode, bf16 math).
+
+    python bench/regs.py --layers 4 [--out bench/results/regs-sm90.json]     # ~15 min on 2 cores
+
+Static facts only (registers, spills, stack): speed still needs the GPU (bench/decode.py).
+"""
+import argparse
+import importlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# the interpreter's settings -> the GPU's (kernels read them as constexprs)
+ON_GPU = {"USE_GDC": True, "SW_ROUND": False, "ASM": True, "F32": False}
+_TYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "int32": "i32", "int64": "i64", "uint8": "u8",
+          "int8": "i8", "float8_e4m3fn": "fp8e4nv", "int16": "i16", "bool": "i1"}
+
+
+def _type(v):
+    """-> (Triton signature type, 16-byte divisible) of one launch argument."""
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return "*" + _TYPES[str(v.dtype).split(".")[-1]], v.data_ptr() % 16 == 0
+    if isinstance(v, bool):
+        return "i1", False
+    if isinstance(v, int):
+        return ("i32" if -2**31 <= v < 2**31 else "i64"), v != 0 and v % 16 == 0
+    if isinstance(v, float):
+        return "fp32", False
+    return None, False
+
+
+def record_launches(run) -> list[dict]:
+    """run() under TRITON_INTERPRET=1 -> one spec per distinct launch (module, kernel name,
+    signature, divisible argument indices, constexprs, num_warps / num_stages, calls)."""
+    import triton.runtime.interpreter as interp
+
+    specs, orig = {}, interp.InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kw):
+        params = inspect.signature(self.fn).parameters
+        sig, div = {}, []
+        for i, (name, v) in enumerate(zip(self.arg_names, args)):
+            sig[name], d = _type(v)
+            if d:
+                div.append(i)
+        const = {n: kw.get(n, params[n].default) for n in self.arg_names[len(args):]}
+        sig.update({n: "constexpr" for n in const})
+        opts = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
+        key = json.dumps([self.fn.__module__, self.fn.__name__, sig, div, const, opts], sort_keys=True, default=str)
+        spec = specs.setdefault(key, dict(module=self.fn.__module__, name=self.fn.__name__, sig=sig, div=div,
+                                          const=const, opts=opts, calls=0))
+        spec["calls"] += 1
+        return orig(self, *args, grid=grid, warmup=warmup, **kw)
+
+    interp.InterpretedFunction.run = recording
+    try:
+        run()
+    finally:
+        interp.InterpretedFunction.run = orig
+    return list(specs.values())
+
+
+def ptxas_report(spec: dict, arch: int = 90) -> dict:
+    """Compile one recorded launch for sm_<arch> -> {registers, spill_stores, spill_loads, stack}."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(spec["module"]), spec["name"])
+    const = {k: ON_GPU.get(k, v) if k in ON_GPU else v for k, v in spec["const"].items()}
+    src = ASTSource(fn=fn, signature=spec["sig"], constexprs=const,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in spec["div"]})
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(spec["opts"]))
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(k.asm["ptx"])
+        f.flush()
+        err = subprocess.run([str(ptxas), "-v", "--gpu-name", f"sm_{arch}a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    out = {}
+    for line in err.splitlines():
+        words = line.replace(",", " ").split()
+        for i, w in enumerate(words[1:], 1):
+            if w == "registers":
+                out["registers"] = int(words[i - 1])
+            elif w == "stack" and words[i - 1] == "bytes":
+                out["stack"] = int(words[i - 2])
+            elif w == "spill" and words[i + 1] in ("stores", "loads"):
+                out[f"spill_{words[i + 1]}"] = int(words[i - 2])
+    return out
+
+
+def _child(layers: int, path: str):
+    """The recording side: one simulated rank at the real dims, kernels interpreted."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from interp import patch_interpreter
+
+    patch_interpreter()
+    import engine.kernels as K
+
+    K.CPU_INTERPRETED = True
+    from engine import SamplingParams
+    from engine.llm import LLM
+
+    llm = LLM(simulate_tp=8, num_layers=layers, device="cpu", dtype=torch.bfloat16)
+    specs = record_launches(lambda: llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0)))
+    Path(path).write_text(json.dumps(specs, default=str))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4, help="blocks of the simulated rank (4: every kind of layer)")
+    ap.add_argument("--out", default=None, help="write the rows as JSON")
+    ap.add_argument("--record", default=None, help=argparse.SUPPRESS)        # the child
+    args = ap.parse_args(argv)
+    if args.record:
+        return _child(args.layers, args.record)
+    with tempfile.TemporaryDirectory() as d:
+        path = str(Path(d) / "launches.json")
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+        subprocess.run([sys.executable, __file__, "--layers", str(args.layers), "--record", path], env=env, check=True)
+        specs = json.loads(Path(path).read_text())
+    rows = []
+    print(f"{'calls':>5} {'kernel':<22} {'regs':>4} {'spill st/ld':>11}  constexprs (as on the GPU)")
+    for s in specs:
+        r = {**s, **ptxas_report(s)}
+        rows.append(r)
+        c = {k: ON_GPU.get(k, v) for k, v in s["const"].items() if k.isupper() and k != "USE_GDC"}
+        print(f"{s['calls']:>5} {s['name']:<22} {r.get('registers', '?'):>4} "
+              f"{r.get('spill_stores', 0):>5}/{r.get('spill_loads', 0):<5}  {s['opts']} {c}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"arch": "sm_90", "layers": args.layers, "rows": rows}, indent=1,
+                                             default=str))
+
+
+if __name__ == "__main__":
+    main()
