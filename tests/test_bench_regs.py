@@ -1,5 +1,6 @@
 """bench/regs.py's two halves on one small kernel: the launch recorded under the interpreter (a
 child process), then compiled for sm_90 and read back from ptxas (this process, no GPU)."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -7,9 +8,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from regs import ptxas_report  # noqa: E402
+# loaded by path, not by putting bench/ on sys.path: its kernels.py would shadow the `kernels`
+# package transformers imports in later tests
+_spec = importlib.util.spec_from_file_location("bench_regs", ROOT / "bench" / "regs.py")
+regs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(regs)
 
 RECORD = f"""
 import json, sys, torch
@@ -31,5 +34,5 @@ def test_a_launch_recorded_and_its_registers_read():
     assert s["sig"]["f_ptr"] == "*bf16" and s["sig"]["D"] == "i32" and s["sig"]["HC"] == "constexpr"
     assert s["const"]["HC"] == 4 and s["const"]["BLOCK_D"] == 256 and s["opts"] == {"num_warps": 4}
     assert 0 in s["div"] and s["sig"]["post_ptr"] == "*fp32"        # 16-byte aligned tensors, as Triton specialises
-    r = ptxas_report(s)
+    r = regs.ptxas_report(s)
     assert 8 <= r["registers"] <= 255 and r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
