@@ -27,22 +27,18 @@ sys.path.insert(0, str(ROOT))
 
 # the interpreter's settings -> the GPU's (kernels read them as constexprs)
 ON_GPU = {"USE_GDC": True, "SW_ROUND": False, "ASM": True, "F32": False}
-_TYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16", "int32": "i32", "int64": "i64", "uint8": "u8",
-          "int8": "i8", "float8_e4m3fn": "fp8e4nv", "int16": "i16", "bool": "i1"}
 
 
 def _type(v):
-    """-> (Triton signature type, 16-byte divisible) of one launch argument."""
+    """-> (Triton signature type, 16-byte divisible) of one launch argument, as Triton's JIT types
+    and specialises it."""
     import torch
+    from triton.runtime.jit import mangle_type
 
     if isinstance(v, torch.Tensor):
-        return "*" + _TYPES[str(v.dtype).split(".")[-1]], v.data_ptr() % 16 == 0
-    if isinstance(v, bool):
-        return "i1", False
-    if isinstance(v, int):
-        return ("i32" if -2**31 <= v < 2**31 else "i64"), v != 0 and v % 16 == 0
-    if isinstance(v, float):
-        return "fp32", False
+        return mangle_type(v), v.data_ptr() % 16 == 0
+    if isinstance(v, (bool, int, float)):
+        return mangle_type(v), not isinstance(v, bool) and isinstance(v, int) and v != 0 and v % 16 == 0
     return None, False
 
 
