@@ -32,18 +32,22 @@ def _mhc_post_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, lo_ptr
                      HC: tl.constexpr, BLOCK_D: tl.constexpr, TB: tl.constexpr = 1, MIX: tl.constexpr = False,
                      HAS_LO: tl.constexpr = False, N: tl.constexpr = 1, BLOCK_N: tl.constexpr = 1,
                      USE_GDC: tl.constexpr = False):
-    gdc_enter(USE_GDC)
     c = tl.program_id(1)                # the D-chunk: the split of the mix partials too
     d = c * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
     k = tl.arange(0, HC)
-    if MIX:     # fn's columns of this chunk, every stream: [BN, HC, BD], read once for TB tokens
+    if MIX:     # fn's columns of this chunk, every stream: [BN, HC, BD], read once for TB tokens.
+        # Read before gdc_enter's wait, the one read of this project's kernels that is: fn is a
+        # weight no kernel writes, so under PDL its ~25 KB a program stream in during the previous
+        # kernel's tail instead of in front of the post (what made the fourth session's fused
+        # post + mix slower than the two launches: bench/RESULTS.md)
         n = tl.arange(0, BLOCK_N)
         w_at = n[:, None, None] * (HC * D) + k[None, :, None] * D + d[None, None, :]
         w_m = (n < N)[:, None, None] & dm[None, None, :]
         fn = tl.load(fn_ptr + w_at, mask=w_m, other=0.0).to(tl.float32)
         if HAS_LO:
             fn += tl.load(lo_ptr + w_at, mask=w_m, other=0.0).to(tl.float32)
+    gdc_enter(USE_GDC)
     for i in tl.static_range(TB):
         t = tl.program_id(0) * TB + i
         tm = t < T
