@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from engine.kernels.bf16_gemm import split_bf16  # noqa: E402
 from engine.kernels.act_sim import fp4_sim, fp4_sim_ref, fp8_sim, fp8_sim_ref  # noqa: E402
 from engine.numerics import fp8_codes_ref  # noqa: E402
-from engine.kernels.mhc_post import mhc_post, mhc_post_ref  # noqa: E402
+from engine.kernels.mhc_post import POST_MIX_MAX_T, mhc_post, mhc_post_ref  # noqa: E402
 from engine.kernels.mhc_pre import ROLES_MAX_T, mhc_pre, mhc_pre_ref  # noqa: E402
 from engine.kernels.rope_kv import rope_qkv, rope_qkv_ref  # noqa: E402
 from engine.kernels.router import route, route_ref  # noqa: E402
@@ -139,6 +139,36 @@ def check_mhc_post(T, dtype, D=96, dev="cpu", inplace=False, block_d=32, f_dtype
         assert not torch.equal(f.to(dtype).float(), f.float())
         assert torch.equal(got, mhc_post(f.to(dtype), res, post, comb, block_d=block_d))
     return lambda: mhc_post(f, res, post, comb, block_d=block_d)
+
+
+def check_mhc_post_mix(T, dtype, D=96, dev="cpu", tb=None, block_d=32, lo=True):
+    """mhc_post with the next mix (mix=): the streams it writes are mhc_post's own bit for bit, the
+    partials sum to h_flat @ (hi + lo)^T and sum(h_flat^2) of those streams (fp64 reference), and
+    mhc_pre on them equals its reference on the streams."""
+    r = gen(dev)
+    f, res = r(T, D).to(dtype), r(T, 4, D).to(dtype)
+    post, comb = 2 * torch.sigmoid(r(T, 4)), sinkhorn_ref(r(T, 4, 4), 20, 1e-6)
+    fn = r(24, 4 * D, s=0.6 / (4 * D) ** 0.5)
+    hi, lo_ = split_bf16(fn)
+    lo_ = lo_ if lo else None
+    rest = (1 + r(3, s=0.1), r(24, s=0.5), (1 + r(D, s=0.05)).to(dtype), 20, 1e-6, 1e-6)
+    with poisoned():
+        got, mix = mhc_post(f, res.clone(), post, comb, mix=(hi, lo_, 1e-6), tokens_per_program=tb,
+                            mix_block_d=block_d)
+        assert torch.equal(got, mhc_post(f, res, post, comb))
+        C = -(-D // block_d)
+        assert mix.parts.shape == (C, T, 25) and mix.K == 4 * D and mix.eps == 1e-6
+        hf = got.flatten(-2).double()
+        w = hi.double() + (lo_.double() if lo else 0)
+        close(mix.parts[..., :24].double().sum(0), hf @ w.t(), 1e-5)
+        close(mix.parts[..., 24].double().sum(0), hf.square().sum(-1), 1e-5)
+        y = mhc_pre(got, hi, lo_, *rest, mix=mix)
+    for g_, w_, dt in zip(y, mhc_pre_ref(got, hi, lo_, *rest), (dtype, F32, F32)):
+        close(g_, w_, tol_for(dt, dev))
+    def run():      # the partials copied out of their scratch buffer, which the next call overwrites
+        y, m = mhc_post(f, res, post, comb, mix=(hi, lo_, 1e-6), tokens_per_program=tb, mix_block_d=block_d)
+        return y, m.parts.clone()
+    return run
 
 
 def check_rope(T, dtype, table, fp8, H=3, DH=64, R=16, fb=16, W=8, dev="cpu", max_pos=4096):
@@ -342,6 +372,8 @@ def _cpu_cases():
             cases[f"mhc_pre-T{T}-{n}"] = (check_mhc_pre, dict(T=T, dtype=dt, D={1: 96, 3: 256, 7: 64}[T], out=T == 3,
                                                               split_k={1: None, 3: 1, 7: 3}[T]))
             cases[f"mhc_post-T{T}-{n}"] = (check_mhc_post, dict(T=T, dtype=dt, inplace=T == 3))
+            cases[f"mhc_post_mix-T{T}-{n}"] = (check_mhc_post_mix, dict(T=T, dtype=dt, tb={1: None, 3: 2, 7: 4}[T],
+                                                                        lo=T != 7))
             for table in (True, False):
                 for fp8 in (False, True):
                     cases[f"rope-T{T}-{n}-{'table' if table else 'inkernel'}-{'fp8' if fp8 else 'nofp8'}"] = (
@@ -488,6 +520,8 @@ def test_gpu_mhc(T):
     graph_equals_eager(side_pre(r(T, 4, 4096).to(BF16), hi, lo, 1 + r(3, s=0.1), r(24, s=0.5),
                                 (1 + r(4096, s=0.05)).to(BF16), 20, 1e-6, 1e-6))
     graph_equals_eager(check_mhc_post(T, BF16, D=4096, dev="cuda", block_d=512))
+    if T <= POST_MIX_MAX_T:
+        graph_equals_eager(check_mhc_post_mix(T, BF16, D=4096, dev="cuda", block_d=64))
     check_mhc_pre(T, BF16, D=4096, dev="cuda", out=True)
     check_mhc_post(T, BF16, D=4096, dev="cuda", inplace=True, block_d=512)
     check_mhc_post(T, BF16, D=4096, dev="cuda", block_d=512, f_dtype=torch.float32)

@@ -99,7 +99,8 @@ def gdc_enter(USE_GDC: tl.constexpr):
     and its writes are visible (griddepcontrol.wait), then let the next kernel launch early
     (griddepcontrol.launch_dependents: it takes effect once every block of this grid has run it,
     and the next kernel waits for this one's completion in turn). Nothing is read before the wait,
-    so the order of memory effects is exactly that of plain launches."""
+    so the order of memory effects is exactly that of plain launches (except weights no kernel
+    writes, which a kernel may prefetch before it: mhc_post's mix weights)."""
     if USE_GDC:
         gdc_wait()
         gdc_launch_dependents()

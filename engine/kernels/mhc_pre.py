@@ -155,7 +155,7 @@ def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, xa_ptr, 
 
 def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, scale: torch.Tensor,
             base: torch.Tensor, norm_weight: torch.Tensor, iters: int, hc_eps: float, norm_eps: float,
-            out=None, act_out=None, act_q=None, side=None, roles=None, **mix_plan):
+            out=None, act_out=None, act_q=None, side=None, roles=None, mix=None, **mix_plan):
     """h [...,hc,D], the mix weight fn_hi (+ fn_lo) [(2+hc)*hc, hc*D] bf16 (split_bf16 of the fp32
     fn), scale [3], base [(2+hc)*hc], norm_weight [D]
     -> y = RMSNorm(sum_j pre_j h_j) [...,D] (h dtype), post [...,hc] fp32, comb [...,hc,hc] fp32.
@@ -174,7 +174,8 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
     and the sub-layer instead of before it. The caller's stream must wait on `side` before anything
     reads post or comb (mhc_post's `after`; every call uses `side`, so that wait is always on work
     of the same CUDA graph capture). roles: 1 or 2 programs per token, or "split" (the two
-    launches of `side`, on one stream: tests); mix_plan: the mix GEMM's plan (split_k, ...: tests
+    launches of `side`, on one stream: tests); mix: h's mix as MixPartials already (made by the
+    mhc_post that wrote h: no mix GEMM here); mix_plan: the mix GEMM's plan (split_k, ...: tests
     and tuning)."""
     hc, D = h.shape[-2:]
     N = (2 + hc) * hc
@@ -196,7 +197,9 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
                              and act_q[1].dtype == torch.float32 and act_q[1].numel() == T * D // 128
                              and act_q[0].is_contiguous() and act_q[1].is_contiguous())
     if T:
-        mix = mhc_mix_parts(h3, fn_hi, fn_lo, norm_eps, **mix_plan)                 # [C, T, N+1]
+        if mix is None:
+            mix = mhc_mix_parts(h3, fn_hi, fn_lo, norm_eps, **mix_plan)             # [C, T, N+1]
+        assert mix.parts.shape[1:] == (T, N + 1) and mix.K == hc * D
         C = mix.parts.shape[0]
         block = triton.next_power_of_2(D)
         split = roles == "split" or side is not None

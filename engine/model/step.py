@@ -40,40 +40,55 @@ def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) 
     bool, or one per row) adds every token of those rows, still in order: [L,V]."""
     ops, num = model.ops, model.numerics
     h = model.embed(inp.ids)[:, :, None, :].expand(-1, -1, model.cfg.hc_mult, -1).contiguous()   # [B,S,hc,D]
-    for layer, cache in zip(model.layers, caches):
-        h = block(layer, h, inp, cache, ops, num)
+    mix, layers = None, list(model.layers)
+    for i, (layer, cache) in enumerate(zip(layers, caches)):
+        h, mix = block(layer, h, inp, cache, ops, num, mix, layers[i + 1] if i + 1 < len(layers) else None)
     if not inp.decode:
         return model.logits(h[0, inp.logit_tokens(all_logits)])                            # [L,V]
     return model.logits(h if all_logits else h[:, -1])
 
 
-def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Ops, num: Numerics) -> torch.Tensor:
-    """h [B,S,hc,D] -> [B,S,hc,D]: attention, then MoE, each wrapped in mHC."""
+def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Ops, num: Numerics,
+          mix=None, nxt: Block | None = None):
+    """h [B,S,hc,D] (and its attention mix, when the previous block's mhc_post made it) -> h [B,S,hc,D]
+    and the next block's attention mix (or None): attention, then MoE, each wrapped in mHC. Each
+    mhc_post also makes the mix of the mhc_pre that reads its streams next (small steps, kernels)."""
     T = h.shape[0] * h.shape[1]
     attn = b.proj["attn"]
-    x, xa, xq, post, comb = hc_pre(b, h, "attn", ops, attn.n_act > 0, takes_codes(attn, T))    # x [B,S,D] normed
+    x, xa, xq, post, comb = hc_pre(b, h, "attn", ops, attn.n_act > 0, takes_codes(attn, T), mix)   # x [B,S,D] normed
     # post and comb may still be in the making on ops.side (hc_pre): mhc_post waits for it
-    h = ops.mhc_post(attention(b.attn, x, xa, xq, b.proj, inp, cache, ops, num), h, post, comb, after=ops.side)
+    h, mix = ops.mhc_post(attention(b.attn, x, xa, xq, b.proj, inp, cache, ops, num), h, post, comb, after=ops.side,
+                          mix=next_mix(b, "ffn"))
     ffn = b.proj["ffn"]
     e = b.ffn.experts        # the FFN input's FP8 rounding feeds the shared expert's rows and the fused MoE
     act = ffn is not None and ffn.n_act > 0 or e.packed is not None and num.act_fp8 and e.quantized
-    x, xa, xq, post, comb = hc_pre(b, h, "ffn", ops, act, takes_codes(ffn, T))
-    return ops.mhc_post(moe(b.ffn, x, xa, xq, ffn, inp.ids, ops, num), h, post, comb, after=ops.side)
+    x, xa, xq, post, comb = hc_pre(b, h, "ffn", ops, act, takes_codes(ffn, T), mix)
+    f = moe(b.ffn, x, xa, xq, ffn, inp.ids, ops, num)
+    if nxt is None:             # the last block: the head's mHC reads the streams
+        return ops.mhc_post(f, h, post, comb, after=ops.side), None
+    return ops.mhc_post(f, h, post, comb, after=ops.side, mix=next_mix(nxt, "attn"))
 
 
-def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops, act: bool, codes: bool):
+def next_mix(b: Block, name: str):
+    """-> (fn_hi, fn_lo, eps) of block b's `name` mix, for the mhc_post whose streams it reads."""
+    return (*b.mix_weight(name), b.norm_eps)
+
+
+def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops, act: bool, codes: bool, mix=None):
     """-> the sub-layer's normed input x [B,S,D], with `act` also xa = fp8_sim(x, 128) (the FP8
     GEMMs' input in reference numerics, rounded once here; else None), with `codes` also xq = xa
     as (e4m3 codes [B,S,D], fp32 scales [B,S,D/128]) for the projections' FP8 dots (else None),
     post [B,S,hc], comb [B,S,hc,hc] (fp32). post and comb are made on ops.side (CUDA), beside the
-    sub-layer (they are mhc_post's alone): nothing else may read them."""
+    sub-layer (they are mhc_post's alone): nothing else may read them. mix: h's mix partials from
+    the mhc_post that wrote h (None: mhc_pre mixes)."""
     norm = b.attn_norm if name == "attn" else b.ffn_norm     # the mix projection, Sinkhorn, collapse, norm
     shape = h.shape[:-2] + h.shape[-1:]
     xa = torch.empty(shape, dtype=h.dtype, device=h.device) if act else None
     xq = (torch.empty(shape, dtype=torch.float8_e4m3fn, device=h.device),
           torch.empty(shape[:-1] + (shape[-1] // 128,), dtype=torch.float32, device=h.device)) if act and codes else None
     x, post, comb = ops.mhc_pre(h, *b.mix_weight(name), getattr(b, f"hc_{name}_scale"), getattr(b, f"hc_{name}_base"),
-                                norm.weight, b.hc_iters, b.hc_eps, b.norm_eps, act_out=xa, act_q=xq, side=ops.side)
+                                norm.weight, b.hc_iters, b.hc_eps, b.norm_eps, act_out=xa, act_q=xq, side=ops.side,
+                                mix=mix)
     return x, xa, xq, post, comb
 
 
