@@ -119,8 +119,9 @@ def prefetch_l2(ptrs, mask):
 
 def prefetch_on() -> bool:
     """Kernels prefetch their weights before the PDL wait only when they launch with PDL (else
-    nothing runs before them to overlap) and never in the interpreter (no PTX)."""
-    return _pdl_on()
+    nothing runs before them to overlap), never in the interpreter (no PTX), and not under
+    ENGINE_PREFETCH=0 (A/B measurements)."""
+    return _pdl_on() and os.environ.get("ENGINE_PREFETCH", "1") != "0"
 
 
 # ----------------------------------------------------------------------------- scratch buffers
