@@ -100,22 +100,27 @@ def configs():
         yield f"BLOCK_N={bn}", {"BLOCK_N": bn}, None
     for ht in (16, 64):
         yield f"HEAD_TILE={ht}", {"HEAD_TILE": ht}, None
-    yield "MIN_KEYS_PER_SPLIT=64", {"MIN_KEYS_PER_SPLIT": 64}, None
+    for mk in (32, 64):
+        yield f"MIN_KEYS_PER_SPLIT={mk}", {"MIN_KEYS_PER_SPLIT": mk}, None
     yield "PROGRAMS_PER_SM=4", {"PROGRAMS_PER_SM": 4}, None
     for st in (1, 3):
         yield f"NUM_STAGES={st}", {"NUM_STAGES": st}, None
     for w in (4, 8):
         yield f"num_warps={w}", {"_num_warps": (lambda bh, w=w: w)}, None
-    for s in (1, 2, 4, 8, 16, 32):
+    for s in (1, 2, 3, 4, 6, 8, 12, 16, 20, 32):
         yield f"splits={s}", {}, s
 
 
-def sweep(bw):
+SWEEP_CASES = "csa:32768:8:1,csa:32768:64:1,csa:32768:8:16,csa:32768:64:16,csa:32768:8:128,csa:32768:64:128," \
+              "hca:32768:8:1,hca:32768:64:32"
+
+
+def sweep(bw, cases: str = SWEEP_CASES):
     print("\n| kind | ctx | H | T | config | splits | graph us | GB/s (of copy) |")
     print("|" + " --- |" * 8)
-    for kind, ctx, H, T in [("csa", 32768, 8, 1), ("csa", 32768, 64, 1), ("csa", 32768, 8, 16),
-                            ("csa", 32768, 64, 16), ("csa", 32768, 8, 128), ("csa", 32768, 64, 128),
-                            ("hca", 32768, 8, 1), ("hca", 32768, 64, 32)]:
+    for case in cases.split(","):
+        kind, ctx, H, T = case.split(":")
+        ctx, H, T = int(ctx), int(H), int(T)
         x = inputs(kind, ctx, T, H)
         K = x["idx_a"].shape[1] + x["idx_b"].shape[1]
         for label, over, splits in configs():
@@ -145,6 +150,8 @@ def main():
     ap.add_argument("--H", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--kinds", nargs="+", default=["csa", "hca"])
     ap.add_argument("--sweep", action="store_true", help="also compare launch-config alternatives")
+    ap.add_argument("--sweep-cases", default=SWEEP_CASES, metavar="KIND:CTX:H:T,...", help="the sweep's cases")
+    ap.add_argument("--sweep-only", action="store_true", help="the sweep without the main table")
     args = ap.parse_args()
     ctxs, Ts = ([8192], [1, 16, 256]) if args.quick else (args.ctx, args.T)
     if args.quick:
@@ -157,14 +164,14 @@ def main():
     print("| kind | ctx | H | T | keys | splits | ref us | naive us | eager us | graph us | vs naive | vs ref "
           "| GB/s (of copy) | TFLOP/s (of GEMM) | roofline us | rel err |")
     print("|" + " --- |" * 16)
-    for kind in args.kinds:
+    for kind in ([] if args.sweep_only else args.kinds):
         for ctx in ctxs:
             for H in args.H:
                 for T in Ts:
                     print(bench_one(kind, ctx, T, H, bw, peak), flush=True)
                     torch.cuda.empty_cache()
-    if args.sweep:
-        sweep(bw)
+    if args.sweep or args.sweep_only:
+        sweep(bw, args.sweep_cases)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ rows print side by side, labelled by variant ("HEAD" and DIR's commit).
 (compile_step), at --compiled-batches (1 and 64), labelled "compiled".
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -221,22 +222,51 @@ def average_step(replay, positions, ctx_len: int, n: int) -> float:
     return statistics.mean(times)
 
 
-def pdl_ab(run, replay_on, ctx_len, B, rounds=5):
-    """The same step captured again with PDL off; the two graphs replayed in alternation (rounds
-    of 20) so drift hits both alike -> prints both medians."""
-    from engine.kernels.common import set_pdl
+@contextlib.contextmanager
+def lever_off(name: str):
+    """Launches inside with one of this tree's levers off (graphs captured inside keep it off):
+    pdl (programmatic dependent launch), prefetch (weights into L2 before the PDL wait),
+    post_mix (mhc_post making the next mix: mhc_pre's mix GEMM instead)."""
+    from engine.kernels import common
 
-    set_pdl(False)
+    if name == "pdl":
+        common.set_pdl(False)
+        undo = lambda: common.set_pdl(None)
+    elif name == "prefetch":
+        common.set_prefetch(False)
+        undo = lambda: common.set_prefetch(None)
+    elif name == "post_mix":
+        from engine.kernels import mhc_post
+        keep, mhc_post.POST_MIX_MAX_T = mhc_post.POST_MIX_MAX_T, 0
+        undo = lambda: setattr(mhc_post, "POST_MIX_MAX_T", keep)
+    else:
+        raise ValueError(f"unknown lever {name!r}: pdl, prefetch, post_mix")
     try:
-        replay_off = graphed(run)
+        yield
     finally:
-        set_pdl(None)
-    on, off = [], []
-    for _ in range(rounds):
-        on.append(timed(replay_on, reps=20))
-        off.append(timed(replay_off, reps=20))
-    a, b = statistics.median(on) * 1e3, statistics.median(off) * 1e3
-    print(f"  PDL A/B ctx {ctx_len} B {B}: on {a:.3f} ms, off {b:.3f} ms ({(b - a) / b * 100:+.1f}% with PDL)", flush=True)
+        undo()
+
+
+def ab(run, replay_on, ctx_len, B, levers: str, rounds=5) -> dict:
+    """The same step captured again with each lever (or '+'-joined group of levers) off; each
+    replayed in alternation with the step as it is (rounds of 20), so drift hits both alike ->
+    {levers: (on ms, off ms)} medians, printed."""
+    out = {}
+    for group in levers.split(","):
+        with contextlib.ExitStack() as stack:
+            for name in group.split("+"):
+                stack.enter_context(lever_off(name))
+            replay_off = graphed(run)
+        on, off = [], []
+        for _ in range(rounds):
+            on.append(timed(replay_on, reps=20))
+            off.append(timed(replay_off, reps=20))
+        a, b = statistics.median(on) * 1e3, statistics.median(off) * 1e3
+        out[group] = (a, b)
+        print(f"  A/B ctx {ctx_len} B {B}: as is {a:.3f} ms, {group} off {b:.3f} ms "
+              f"({(a - b):+.3f} ms from {group})", flush=True)
+        del replay_off
+    return out
 
 
 def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
@@ -250,14 +280,14 @@ def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
             torch.cuda.synchronize()
             print(f"  ctx {ctx_len} B {B}: first (compiling) step {time.perf_counter() - t0:.1f} s", flush=True)
         t_eager = timed(run, reps=10)
-        t_graph = t_avg = None
+        t_graph = t_avg = ab_ms = None
         if not args.no_graphs:
             replay = graphed(run)
             t_graph = timed(replay, reps=20)
             if args.average:
                 t_avg = average_step(replay, positions, ctx_len, min(args.average, ctx_len))
-            if args.pdl_ab:
-                pdl_ab(run, replay, ctx_len, B)
+            levers = ",".join(x for x in (args.ab, "pdl" if args.pdl_ab else "") if x)
+            ab_ms = ab(run, replay, ctx_len, B, levers) if levers else None
             del replay
         br = breakdown(run, args.by_kernel)
     row = make_row(ctx=ctx_len, batch=B, variant=args.variant, kernel_set=kset, layers=cfg.n_layers, tp=args.tp,
@@ -265,6 +295,8 @@ def measure(model, cfg, args, cache, ids, table, B, ctx_len, bw, kset) -> dict:
                    bandwidth=bw, breakdown=br)
     if t_avg is not None:
         row.update(avg_graph_ms=t_avg * 1e3, avg_positions=min(args.average, ctx_len))
+    if ab_ms:
+        row["ab_ms"] = {k: {"as_is": a, "off": b} for k, (a, b) in ab_ms.items()}
     print(format_row(row), flush=True)
     return row
 
@@ -399,6 +431,9 @@ def parse_args(argv=None):
     ap.add_argument("--variant", default="HEAD", help="this tree's label in the rows")
     ap.add_argument("--out", default=None, help="write the rows (all variants) as JSON")
     ap.add_argument("--pdl-ab", action="store_true", help="also time each graph captured with PDL off, alternating")
+    ap.add_argument("--ab", default="", metavar="LEVERS",
+                    help="also time each graph captured with a lever off, alternating with it on: a comma list of "
+                         "pdl, prefetch, post_mix, or '+'-joined groups of them (this tree only)")
     ap.add_argument("--average", type=int, default=0, metavar="N",
                     help="also the mean graph step over the N positions up to the last (the typical step)")
     ap.add_argument("--by-kernel", type=int, default=0, metavar="N",

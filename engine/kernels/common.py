@@ -118,10 +118,22 @@ def prefetch_l2(ptrs, mask):
                               is_pure=False, pack=1)
 
 
+_prefetch_override: bool | None = None
+
+
+def set_prefetch(on: bool | None) -> None:
+    """Launches from now on prefetch (where PDL is on) or not (None: back to ENGINE_PREFETCH);
+    graphs captured before keep what they captured. For A/B measurements (bench/decode.py --ab)."""
+    global _prefetch_override
+    _prefetch_override = on
+
+
 def prefetch_on() -> bool:
     """Kernels prefetch their weights before the PDL wait only when they launch with PDL (else
     nothing runs before them to overlap), never in the interpreter (no PTX), and not under
     ENGINE_PREFETCH=0 (A/B measurements)."""
+    if _prefetch_override is not None:
+        return _prefetch_override and _pdl_on()
     return _pdl_on() and os.environ.get("ENGINE_PREFETCH", "1") != "0"
 
 
