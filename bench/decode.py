@@ -222,25 +222,33 @@ def average_step(replay, positions, ctx_len: int, n: int) -> float:
     return statistics.mean(times)
 
 
+# Levers that are a module constant read at launch: (module, name, value that turns it off)
+LEVERS = {
+    "post_mix": ("engine.kernels.mhc_post", "POST_MIX_MAX_T", 0),           # mhc_pre's mix GEMM instead
+    "attn_splits": ("engine.kernels.sparse_attn", "MIN_KEYS_PER_SPLIT", 128),  # the earlier split plan
+    "compress_split": ("engine.kernels.compressor", "CHANNELS_PER_PROGRAM", 1 << 30),  # one program a row
+}
+
+
 @contextlib.contextmanager
 def lever_off(name: str):
     """Launches inside with one of this tree's levers off (graphs captured inside keep it off):
-    pdl (programmatic dependent launch), prefetch (weights into L2 before the PDL wait),
-    post_mix (mhc_post making the next mix: mhc_pre's mix GEMM instead)."""
+    pdl (programmatic dependent launch) or one of LEVERS."""
+    from importlib import import_module
+
     from engine.kernels import common
 
     if name == "pdl":
         common.set_pdl(False)
         undo = lambda: common.set_pdl(None)
-    elif name == "prefetch":
-        common.set_prefetch(False)
-        undo = lambda: common.set_prefetch(None)
-    elif name == "post_mix":
-        from engine.kernels import mhc_post
-        keep, mhc_post.POST_MIX_MAX_T = mhc_post.POST_MIX_MAX_T, 0
-        undo = lambda: setattr(mhc_post, "POST_MIX_MAX_T", keep)
+    elif name in LEVERS:
+        module, attr, off = LEVERS[name]
+        mod = import_module(module)
+        keep = getattr(mod, attr)
+        setattr(mod, attr, off)
+        undo = lambda: setattr(mod, attr, keep)
     else:
-        raise ValueError(f"unknown lever {name!r}: pdl, prefetch, post_mix")
+        raise ValueError(f"unknown lever {name!r}: pdl, {', '.join(LEVERS)}")
     try:
         yield
     finally:
@@ -433,7 +441,7 @@ def parse_args(argv=None):
     ap.add_argument("--pdl-ab", action="store_true", help="also time each graph captured with PDL off, alternating")
     ap.add_argument("--ab", default="", metavar="LEVERS",
                     help="also time each graph captured with a lever off, alternating with it on: a comma list of "
-                         "pdl, prefetch, post_mix, or '+'-joined groups of them (this tree only)")
+                         "pdl, " + ", ".join(LEVERS) + ", or '+'-joined groups of them (this tree only)")
     ap.add_argument("--average", type=int, default=0, metavar="N",
                     help="also the mean graph step over the N positions up to the last (the typical step)")
     ap.add_argument("--by-kernel", type=int, default=0, metavar="N",

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from engine.kernels.bf16_gemm import split_bf16  # noqa: E402
 from engine.kernels.act_sim import fp4_sim, fp4_sim_ref, fp8_sim, fp8_sim_ref  # noqa: E402
 from engine.numerics import fp8_codes_ref  # noqa: E402
-from engine.kernels.mhc_post import POST_MIX_MAX_T, mhc_post, mhc_post_ref  # noqa: E402
+from engine.kernels.mhc_post import POST_MIX_BLOCK_D, POST_MIX_MAX_T, mhc_post, mhc_post_ref  # noqa: E402
 from engine.kernels.mhc_pre import ROLES_MAX_T, mhc_pre, mhc_pre_ref  # noqa: E402
 from engine.kernels.rope_kv import rope_qkv, rope_qkv_ref  # noqa: E402
 from engine.kernels.router import route, route_ref  # noqa: E402
@@ -156,7 +156,7 @@ def check_mhc_post_mix(T, dtype, D=96, dev="cpu", tb=None, block_d=32, lo=True):
         got, mix = mhc_post(f, res.clone(), post, comb, mix=(hi, lo_, 1e-6), tokens_per_program=tb,
                             mix_block_d=block_d)
         assert torch.equal(got, mhc_post(f, res, post, comb))
-        C = -(-D // block_d)
+        C = -(-D // (block_d or POST_MIX_BLOCK_D))
         assert mix.parts.shape == (C, T, 25) and mix.K == 4 * D and mix.eps == 1e-6
         hf = got.flatten(-2).double()
         w = hi.double() + (lo_.double() if lo else 0)
@@ -263,10 +263,11 @@ def check_act_sim(T, D, dtype, fp4, block, dev="cpu"):
     return lambda: kernel(x, block)
 
 
-def check_compressor(dtype, ratio, D=128, sim=0, B=5, steps=None, dev="cpu", R=64):
+def check_compressor(dtype, ratio, D=128, sim=0, B=5, steps=None, dev="cpu", R=64, channels=None):
     """compress_decode against compress_decode_ref (the engine's torch code; tests/test_engine.py
     holds it to the cache-free oracle) over enough decode steps that every row completes windows at
-    different times: states, and every pool row."""
+    different times: states, and every pool row. channels: per program (D // channels programs a
+    row, the last of which norms it; default the kernel's)."""
     from engine.kernels.compressor import compress_decode, compress_decode_ref
     from engine.model.compressor import Compressor
 
@@ -298,7 +299,7 @@ def check_compressor(dtype, ratio, D=128, sim=0, B=5, steps=None, dev="cpu", R=6
                             cos, sin, 1e-6, ratio, sim)
         with poisoned():
             compress_decode(kv, score, comp.ape, kst2, sst2, store2, slots, pos, table, bt, comp.norm.weight,
-                            cos, sin, 1e-6, ratio, sim)
+                            cos, sin, 1e-6, ratio, sim, channels=channels)
         close(kst2, kst, 1e-5)
         close(sst2, sst, 1e-5)
     # block 0 takes the torch code's unused pooled values (nothing reads it); the kernel skips them
@@ -313,7 +314,7 @@ def check_compressor(dtype, ratio, D=128, sim=0, B=5, steps=None, dev="cpu", R=6
         assert bad.float().mean() < 1e-3, float(bad.float().mean())
     def again():    # the last step once more (idempotent) -> copies of what it leaves
         compress_decode(kv, score, comp.ape, kst2, sst2, store2, slots, pos, table, bt, comp.norm.weight,
-                        cos, sin, 1e-6, ratio, sim)
+                        cos, sin, 1e-6, ratio, sim, channels=channels)
         return kst2.clone(), sst2.clone(), store2.clone()
     return again
 
@@ -358,7 +359,9 @@ def _cpu_cases():
         for dt in (F32, BF16):
             for sim in (0, 1, 2):
                 n = str(dt).split(".")[-1]
-                cases[f"compressor-r{ratio}-{n}-sim{sim}"] = (check_compressor, dict(dtype=dt, ratio=ratio, sim=sim))
+                ch = (128, 32, None)[sim]     # one program a row, four, the default (two at D = 128)
+                cases[f"compressor-r{ratio}-{n}-sim{sim}"] = (check_compressor, dict(dtype=dt, ratio=ratio, sim=sim,
+                                                                                      channels=ch))
     for fp4, block in ((False, 128), (False, 64), (True, 32)):
         for dt in (F32, BF16):
             n = str(dt).split(".")[-1]
@@ -521,7 +524,7 @@ def test_gpu_mhc(T):
                                 (1 + r(4096, s=0.05)).to(BF16), 20, 1e-6, 1e-6))
     graph_equals_eager(check_mhc_post(T, BF16, D=4096, dev="cuda", block_d=512))
     if T <= POST_MIX_MAX_T:
-        graph_equals_eager(check_mhc_post_mix(T, BF16, D=4096, dev="cuda", block_d=64))
+        graph_equals_eager(check_mhc_post_mix(T, BF16, D=4096, dev="cuda", block_d=None))
     check_mhc_pre(T, BF16, D=4096, dev="cuda", out=True)
     check_mhc_post(T, BF16, D=4096, dev="cuda", inplace=True, block_d=512)
     check_mhc_post(T, BF16, D=4096, dev="cuda", block_d=512, f_dtype=torch.float32)

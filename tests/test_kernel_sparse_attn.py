@@ -252,7 +252,7 @@ def test_choose_num_splits():
     assert sa.choose_num_splits(1, 640, sms) > 1                # T=1 splits
     assert sa.choose_num_splits(256, 640, sms) <= 2
     assert sa.choose_num_splits(256, 640, 128) == 1             # a big batch fills the GPU alone
-    assert sa.choose_num_splits(1, 64, sms) == 1                # too few keys to split
+    assert sa.choose_num_splits(1, mk - 1, sms) == 1            # too few keys to split
 
 
 # ---------------------------------------------------------------------------------------------------

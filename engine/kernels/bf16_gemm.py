@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.numerics import up
-from .common import gdc_enter, pdl_args, prefetch_l2, prefetch_on, scratch, SplitPlan, get_workspace, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
+from .common import gdc_enter, pdl_args, scratch, SplitPlan, get_workspace, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
 
 
 @triton.jit
@@ -36,7 +36,8 @@ def _bf16_gemm_kernel(a_ptr, b_ptr, lo_ptr, y_ptr, part_ptr, ticket_ptr,
                       stride_ab, stride_am, stride_bb, stride_bn, stride_yb, stride_ym,
                       HAS_LO: tl.constexpr, SUMSQ: tl.constexpr, SPLIT: tl.constexpr, PARTS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PREFETCH_KB: tl.constexpr = 0, USE_GDC: tl.constexpr = False):
+                      USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     bat, pid_s = tl.program_id(2) // n_split, tl.program_id(2) % n_split
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -47,15 +48,6 @@ def _bf16_gemm_kernel(a_ptr, b_ptr, lo_ptr, y_ptr, part_ptr, ticket_ptr,
     b_row = bat * stride_bb + cols[:, None] * stride_bn                              # [BN, 1] offsets
     kb0 = pid_s * kb_per_split
     kb1 = tl.minimum(kb0 + kb_per_split, tl.cdiv(K, BLOCK_K))
-    if PREFETCH_KB > 0:     # b is a weight (the mHC mix's fn): its slice into L2 while the previous kernel drains
-        kb = kb0 + tl.arange(0, PREFETCH_KB)
-        m = cm[:, None] & (kb < kb1)[None, :]
-        for line in tl.static_range(BLOCK_K // 64):        # 128-byte lines of 64 bf16
-            at = b_row + kb[None, :] * BLOCK_K + line * 64
-            prefetch_l2(b_ptr + at, m)
-            if HAS_LO:
-                prefetch_l2(lo_ptr + at, m)
-    gdc_enter(USE_GDC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
     for kb in range(kb0, kb1):
@@ -135,10 +127,9 @@ def bf16_gemm_need(M, N, K, batch=1, device=None, sumsq=False, **plan_kw):
     return s * M * (batch * N + (p.grid[1] if sumsq else 0)), p.grid[0] * p.grid[1] * batch
 
 
-def _launch(a3, b3, lo, y3, eps, sumsq, workspace, plan_kw, parts=None, weight=False):
+def _launch(a3, b3, lo, y3, eps, sumsq, workspace, plan_kw, parts=None):
     """a3 [B, M, K], b3 [B or 1, N, K], y3 [B, M, N] -> y3; or with `parts`, a [n_split, M, N + 1]
-    fp32 buffer the plan's splits fill (B = 1, mhc_mix_parts) -> parts. weight: b (and lo) is a
-    weight, which the kernel may prefetch before its PDL wait (nothing in the step writes it)."""
+    fp32 buffer the plan's splits fill (B = 1, mhc_mix_parts) -> parts."""
     B, M, K = a3.shape
     N = b3.shape[1]
     assert a3.stride(-1) == 1 and b3.stride(-1) == 1 and y3.stride(-1) == 1
@@ -154,8 +145,7 @@ def _launch(a3, b3, lo, y3, eps, sumsq, workspace, plan_kw, parts=None, weight=F
         a3.stride(0), a3.stride(1), b3.stride(0) if b3.shape[0] > 1 else 0, b3.stride(1),
         y3.stride(0), y3.stride(1),
         HAS_LO=lo is not None, SUMSQ=sumsq, SPLIT=split, PARTS=parts is not None, BLOCK_M=p.block_m, BLOCK_N=p.block_n,
-        BLOCK_K=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages,
-        PREFETCH_KB=triton.next_power_of_2(p.split.kb_per_split) if weight and prefetch_on() else 0, **pdl_args())
+        BLOCK_K=p.block_k, num_warps=p.num_warps, num_stages=p.num_stages, **pdl_args())
     return parts if parts is not None else y3
 
 
@@ -183,7 +173,7 @@ def mhc_mix_parts(h, fn_hi, fn_lo=None, norm_eps=1e-6, **plan_kw) -> MixPartials
     n = p.split.split * M * (N + 1)
     parts = scratch("mhc.parts", h.device, n, torch.float32)[:n].view(p.split.split, M, N + 1)
     if M:
-        _launch(a[None], fn_hi[None], fn_lo, a[None], norm_eps, True, None, plan_kw, parts=parts, weight=True)
+        _launch(a[None], fn_hi[None], fn_lo, a[None], norm_eps, True, None, plan_kw, parts=parts)
     return MixPartials(parts, K, norm_eps)
 
 

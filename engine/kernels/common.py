@@ -106,37 +106,6 @@ def gdc_enter(USE_GDC: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
-def prefetch_l2(ptrs, mask):
-    """Ask L2 for the 128-byte line of each of ptrs where mask (a hint: nothing comes back, no
-    register stays live, no fault). For weights, which no kernel of a step writes: issued before
-    gdc_enter's wait, the lines stream in while the previous kernel drains, and the K loop then
-    finds them in L2. CUDA only (inline PTX): callers pass it a constexpr that is off in the
-    interpreter (prefetch_on)."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-                              "=r,l,r", [ptrs.to(tl.int64, bitcast=True), mask.to(tl.int32)], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-_prefetch_override: bool | None = None
-
-
-def set_prefetch(on: bool | None) -> None:
-    """Launches from now on prefetch (where PDL is on) or not (None: back to ENGINE_PREFETCH);
-    graphs captured before keep what they captured. For A/B measurements (bench/decode.py --ab)."""
-    global _prefetch_override
-    _prefetch_override = on
-
-
-def prefetch_on() -> bool:
-    """Kernels prefetch their weights before the PDL wait only when they launch with PDL (else
-    nothing runs before them to overlap), never in the interpreter (no PTX), and not under
-    ENGINE_PREFETCH=0 (A/B measurements)."""
-    if _prefetch_override is not None:
-        return _prefetch_override and _pdl_on()
-    return _pdl_on() and os.environ.get("ENGINE_PREFETCH", "1") != "0"
-
-
 # ----------------------------------------------------------------------------- scratch buffers
 
 _scratch: dict = {}     # (name, device) -> the buffer

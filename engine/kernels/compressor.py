@@ -21,7 +21,7 @@ import triton.language as tl
 
 from engine.numerics import fp4_sim_ref, fp8_sim_ref, hadamard
 from .act_sim import fp4_round_trip, fp8_round_trip, hadamard_rows
-from .common import gdc_enter, pdl_args, apply_rope, entry_loc, round_to
+from .common import gdc_enter, pdl_args, apply_rope, entry_loc, round_to, scratch
 from .rms_norm import rms_norm_ref
 from .rope_kv import _rope
 
@@ -30,17 +30,21 @@ SIM_NONE, SIM_FP8, SIM_FP4 = 0, 1, 2
 
 @triton.jit
 def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, kst_ptr, sst_ptr, store_ptr, slot_ptr, pos_ptr, table_ptr,
-                     w_ptr, cos_ptr, sin_ptr, stride_kv, stride_sc, stride_pos, stride_tab, n_blocks,
+                     w_ptr, cos_ptr, sin_ptr, tick_ptr, stride_kv, stride_sc, stride_pos, stride_tab, n_blocks,
                      per_block, eps, hscale,
                      D: tl.constexpr, C: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr,
                      OFF: tl.constexpr, ROWS: tl.constexpr, OVERLAP: tl.constexpr, SIM: tl.constexpr,
-                     ROWS_BLOCK: tl.constexpr, LOG_D: tl.constexpr, USE_GDC: tl.constexpr = False):
+                     ROWS_BLOCK: tl.constexpr, LOG_D: tl.constexpr, DC: tl.constexpr, USE_GDC: tl.constexpr = False):
+    # program (b, j): row b's channels j*DC.. (+ D.. for ratio 4's B half) of the state and of the pool
     gdc_enter(USE_GDC)
     b = tl.program_id(0)
+    j = tl.program_id(1)
+    NC: tl.constexpr = D // DC
     slot = tl.load(slot_ptr + b)
     p = tl.load(pos_ptr + b * stride_pos)
     cur = OFF + p % RATIO
-    cc = tl.arange(0, C)
+    cc = tl.arange(0, DC * (C // D))                       # this program's channels of the state
+    cc = (cc // DC) * D + j * DC + cc % DC
     kv_new = tl.load(kv_ptr + b * stride_kv + cc).to(tl.float32)
     sc_new = tl.load(sc_ptr + b * stride_sc + cc) + tl.load(ape_ptr + (p % RATIO) * C + cc)
     kst = kst_ptr + slot * (ROWS * C)
@@ -48,14 +52,14 @@ def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, kst_ptr, sst_ptr, store_ptr, slot_
     tl.store(kst + cur * C + cc, kv_new)
     tl.store(sst + cur * C + cc, sc_new)
     if (p + 1) % RATIO == 0:
-        d = tl.arange(0, D)
+        d = j * DC + tl.arange(0, DC)
         # this token's values as the pooled rows see them: ratio 4 rows >= r read the B half
         kv_cur = tl.load(kv_ptr + b * stride_kv + OFF // RATIO * D + d).to(tl.float32)
         sc_cur = tl.load(sc_ptr + b * stride_sc + OFF // RATIO * D + d) + \
             tl.load(ape_ptr + (p % RATIO) * C + OFF // RATIO * D + d)
-        m = tl.full([D], float("-inf"), tl.float32)
-        den = tl.zeros([D], tl.float32)
-        acc = tl.zeros([D], tl.float32)
+        m = tl.full([DC], float("-inf"), tl.float32)
+        den = tl.zeros([DC], tl.float32)
+        acc = tl.zeros([DC], tl.float32)
         for r0 in tl.static_range(0, ROWS, ROWS_BLOCK):
             s = r0 + tl.arange(0, ROWS_BLOCK)                                           # state rows
             ch = (s >= RATIO).to(tl.int32) * D                  # rows >= r exist only for ratio 4
@@ -73,38 +77,58 @@ def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, kst_ptr, sst_ptr, store_ptr, slot_
             acc = acc * keep + tl.sum(k * e, axis=0)
             m = m_new
         out_ty = store_ptr.dtype.element_ty
-        c = round_to(tl.math.div_rn(acc, den), out_ty)
-        c = c * tl.math.rsqrt(tl.sum(c * c, axis=0) / D + eps)
-        c = round_to(tl.load(w_ptr + d).to(tl.float32) * c, out_ty)
-        half = tl.arange(0, D // 2) - (D - R) // 2
-        hm = half >= 0
-        cos = tl.load(cos_ptr + b * (R // 2) + half, mask=hm, other=1.0)
-        sin = tl.load(sin_ptr + b * (R // 2) + half, mask=hm, other=0.0)
-        c = round_to(tl.reshape(_rope(tl.reshape(c, (1, D)), cos, sin, 1, D, R), (D,)), out_ty)
-        if SIM == 1:
-            c = tl.where(d < D - R, round_to(fp8_round_trip(c, D, 64), out_ty), c)
-        if SIM == 2:
-            c = round_to(fp4_round_trip(round_to(tl.reshape(hadamard_rows(tl.reshape(c, (1, D)), hscale, 1, D, LOG_D), (D,)), out_ty), D, 32), out_ty)
         entry = p // RATIO
         blk = tl.minimum(entry // per_block, n_blocks - 1)
-        row = tl.load(table_ptr + b * stride_tab + blk) * per_block + entry % per_block
-        tl.store(store_ptr + row * D + d, c)
+        row = store_ptr + (tl.load(table_ptr + b * stride_tab + blk) * per_block + entry % per_block) * D
+        c = round_to(tl.math.div_rn(acc, den), out_ty)          # exact in the pool's dtype
         if OVERLAP:
-            # the finished window (rows r..2r-1, all channels) becomes the previous one (rows 0..r-1)
+            # the finished window (rows r..2r-1, this program's channels) becomes the previous one
+            # (rows 0..r-1): only this program reads these channels, and it has read them
             rr = tl.arange(0, RATIO)
             src = (RATIO + rr)[:, None] * C + cc[None, :]
             mine = (RATIO + rr == cur)[:, None]
             tl.store(kst + rr[:, None] * C + cc[None, :], tl.where(mine, kv_new[None, :], tl.load(kst + src)))
             tl.store(sst + rr[:, None] * C + cc[None, :], tl.where(mine, sc_new[None, :], tl.load(sst + src)))
+        last = True
+        if NC > 1:      # the norm needs every channel: each program leaves its pooled share in the
+            # entry's row, the last to arrive (a ticket per row) finishes the row
+            tl.store(row + d, c)
+            tl.debug_barrier()
+            last = tl.atomic_add(tick_ptr + b, 1, sem="acq_rel", scope="gpu") == NC - 1
+        if last:
+            dd = tl.arange(0, D)
+            if NC > 1:
+                tl.debug_barrier()
+                c = tl.load(row + dd, cache_modifier=".cg").to(tl.float32)    # at L2: the other SMs' shares
+                tl.store(tick_ptr + b, 0)                                      # at rest for the next launch
+            c = c * tl.math.rsqrt(tl.sum(c * c, axis=0) / D + eps)
+            c = round_to(tl.load(w_ptr + dd).to(tl.float32) * c, out_ty)
+            half = tl.arange(0, D // 2) - (D - R) // 2
+            hm = half >= 0
+            cos = tl.load(cos_ptr + b * (R // 2) + half, mask=hm, other=1.0)
+            sin = tl.load(sin_ptr + b * (R // 2) + half, mask=hm, other=0.0)
+            c = round_to(tl.reshape(_rope(tl.reshape(c, (1, D)), cos, sin, 1, D, R), (D,)), out_ty)
+            if SIM == 1:
+                c = tl.where(dd < D - R, round_to(fp8_round_trip(c, D, 64), out_ty), c)
+            if SIM == 2:
+                c = round_to(fp4_round_trip(round_to(tl.reshape(hadamard_rows(tl.reshape(c, (1, D)), hscale, 1, D, LOG_D), (D,)), out_ty), D, 32), out_ty)
+            tl.store(row + dd, c)
+
+
+# Channels per program (the pooling splits over channels; the last program of a row norms it):
+# a 128-row HCA window of 512 channels was one program's 16 steps of 8 rows (16 us on the H200,
+# bench/RESULTS.md), now 8 programs of 2 steps.
+CHANNELS_PER_PROGRAM = 64
 
 
 def compress_decode(kv, score, ape, kv_state, score_state, store, slots, positions, block_table, block_tokens,
-                    norm_weight, cos, sin, eps, ratio, sim=SIM_NONE):
+                    norm_weight, cos, sin, eps, ratio, sim=SIM_NONE, channels=None):
     """One decode token per row: kv, score [B, coff*d] fp32 (the wkv / wgate GEMMs, no ape),
     ape [ratio, coff*d] fp32, kv_state / score_state [slots, coff*ratio, coff*d] fp32 (updated),
     store [rows, d] (the flat entry pool, written where a window completes), slots [B],
     positions [B, 1], block_table [B, max_blocks], norm_weight [d], cos / sin [B, R/2] fp32 at
-    the entry positions (pos // ratio * ratio). sim: SIM_NONE, SIM_FP8 (KV) or SIM_FP4 (indexer)."""
+    the entry positions (pos // ratio * ratio). sim: SIM_NONE, SIM_FP8 (KV) or SIM_FP4 (indexer).
+    channels: per program (tests; default CHANNELS_PER_PROGRAM)."""
     B, C = kv.shape
     D = store.shape[-1]
     overlap = C == 2 * D
@@ -115,14 +139,18 @@ def compress_decode(kv, score, ape, kv_state, score_state, store, slots, positio
     assert kv.stride(-1) == 1 and score.stride(-1) == 1 and score.dtype == torch.float32
     assert D & (D - 1) == 0 and ratio & (ratio - 1) == 0
     R = 2 * cos.shape[-1]
+    dc = min(D, channels or CHANNELS_PER_PROGRAM)
+    # a row's tickets, at zero between launches; per state tensor, since the indexer's compressor
+    # runs beside the attention's (step.beside) and each must count its own programs
+    tick = scratch(f"compressor.tickets.{kv_state.data_ptr()}", kv.device, max(B, 1), torch.int32, zero=True)
     if B:
-        _compress_kernel[(B,)](
+        _compress_kernel[(B, D // dc)](
             kv, score, ape.contiguous(), kv_state, score_state, store, slots.contiguous(), positions,
             block_table, norm_weight.contiguous(), cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous(),
-            kv.stride(0), score.stride(0), positions.stride(0), block_table.stride(0), block_table.shape[1],
+            tick, kv.stride(0), score.stride(0), positions.stride(0), block_table.stride(0), block_table.shape[1],
             block_tokens // ratio, eps, D ** -0.5,
             D=D, C=C, R=R, RATIO=ratio, OFF=ratio if overlap else 0, ROWS=rows, OVERLAP=overlap, SIM=sim,
-            ROWS_BLOCK=min(rows, max(1, 4096 // D)), LOG_D=D.bit_length() - 1, num_warps=4, **pdl_args())
+            ROWS_BLOCK=min(rows, max(1, 4096 // dc)), LOG_D=D.bit_length() - 1, DC=dc, num_warps=4, **pdl_args())
 
 
 def compress_decode_ref(kv, score, ape, kv_state, score_state, store, slots, positions, block_table, block_tokens,

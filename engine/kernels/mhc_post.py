@@ -22,8 +22,12 @@ from .bf16_gemm import MixPartials
 from .common import gdc_enter, pdl_args, round_to, scratch
 
 # Tokens up to which mhc_post also makes the next mix (above: mhc_pre's mix GEMM, on tensor cores,
-# reads fn once for every 64-128 tokens where this reads it once per TB tokens). Unmeasured.
-POST_MIX_MAX_T = 64
+# reads fn once for every 64-128 tokens where this reads it once per TB tokens), and the fused
+# launch's plan. bench/post_mix.py (H200, 2026-12-04, post + pre per sub-layer, graph replay):
+# T = 1 12.8 us as three launches -> 9.0 fused (1 token / 128 channels a program; 10.3 at 64
+# channels); T = 16 16.5 -> 11.6 (1 / 128; 8 tokens a program 16.4); T = 64 17.0 -> 20.5 at best.
+POST_MIX_MAX_T = 16
+POST_MIX_TOKENS, POST_MIX_BLOCK_D = 1, 128
 
 
 @triton.jit
@@ -71,7 +75,7 @@ def _mhc_post_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, lo_ptr
 
 def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
              out: torch.Tensor | None = None, block_d: int = 512, after=None, mix=None,
-             tokens_per_program: int | None = None, mix_block_d: int = 64):
+             tokens_per_program: int | None = None, mix_block_d: int | None = None):
     """f [...,D] (res's dtype or wider: rounded to res's first), res [...,hc,D], post [...,hc] fp32,
     comb [...,hc,hc] fp32 -> [...,hc,D] (res dtype).
 
@@ -99,8 +103,8 @@ def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
         fn_hi, fn_lo, eps = mix
         N = fn_hi.shape[0]
         assert fn_hi.shape == (N, hc * D) and fn_hi.is_contiguous() and (fn_lo is None or fn_lo.is_contiguous())
-        block = min(mix_block_d, triton.next_power_of_2(D))
-        tb = tokens_per_program or min(8, T)
+        block = min(mix_block_d or POST_MIX_BLOCK_D, triton.next_power_of_2(D))
+        tb = min(tokens_per_program or POST_MIX_TOKENS, T)
         C = triton.cdiv(D, block)
         parts = scratch("mhc.parts", res.device, C * T * (N + 1), torch.float32)[:C * T * (N + 1)].view(C, T, N + 1)
         _mhc_post_kernel[(triton.cdiv(T, tb), C)](

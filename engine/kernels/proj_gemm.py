@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from engine.numerics import fp8_block_dequant, fp8_sim_ref, up
-from .common import gdc_enter, pdl_args, get_workspace, interpreting, num_sms, plan_split, prefetch_l2, prefetch_on, round_to, splitk_arrive, splitk_reset, splitk_total
+from .common import gdc_enter, pdl_args, get_workspace, interpreting, num_sms, plan_split, round_to, splitk_arrive, splitk_reset, splitk_total
 from .act_sim import fp8_sim
 from .bf16_gemm import _dot, bf16_gemm
 from .fp8_gemm import load_block_scale, quant_e4m3_rows
@@ -195,7 +195,8 @@ def _proj_kernel(x_ptr, xa_ptr, xq_ptr, xs_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr
                  stride_xm, stride_s8, eps,
                  ACT8: tl.constexpr, SW_ROUND: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr,
                  PRE_ACT: tl.constexpr, PRE_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 ALIGN: tl.constexpr, PREFETCH_KB: tl.constexpr = 0, USE_GDC: tl.constexpr = False):
+                 ALIGN: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0 = pid_n * BLOCK_N
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -204,9 +205,6 @@ def _proj_kernel(x_ptr, xa_ptr, xq_ptr, xs_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr
     x_row = x_ptr + rows[:, None] * stride_xm                                        # [BM, 1]
     kb0 = pid_s * kb_per_split
     kb1 = tl.minimum(kb0 + kb_per_split, K // _QB)
-    if PREFETCH_KB > 0:     # this program's weight slice into L2 while the previous kernel drains
-        _prefetch_w(w8_ptr, wd_ptr, cols, cm, n0, n8, K, kb0, kb1, PREFETCH_KB)
-    gdc_enter(USE_GDC)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # NORM: x is an RMSNorm's input; every program (each K split too) takes the rows' full norm first
     rstd = tl.full([BLOCK_M], 1.0, tl.float32)
@@ -246,20 +244,6 @@ def _proj_kernel(x_ptr, xa_ptr, xq_ptr, xs_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr
             _store(acc, meta_ptr, lo_ptr, hi_ptr, rows, cols, rm, n0, n_lo, M, ALIGN)
     else:
         _store(acc, meta_ptr, lo_ptr, hi_ptr, rows, cols, rm, n0, n_lo, M, ALIGN)
-
-
-@triton.jit
-def _prefetch_w(w8_ptr, wd_ptr, cols, cm, n0, n8, K, kb0, kb1, PREFETCH_KB: tl.constexpr):
-    """L2 prefetch of the weight rows `cols`, K blocks [kb0, kb1) (at most PREFETCH_KB): one 128-byte
-    line per FP8 block row, two per bf16 one (the steps that prefetch, PDL's, have one M tile)."""
-    kb = kb0 + tl.arange(0, PREFETCH_KB)
-    m = cm[:, None] & (kb < kb1)[None, :]
-    if n0 < n8:
-        prefetch_l2(w8_ptr + cols.to(tl.int64)[:, None] * K + kb[None, :] * _QB, m)
-    else:
-        at = wd_ptr + (cols - n8).to(tl.int64)[:, None] * K + kb[None, :] * _QB
-        prefetch_l2(at, m)
-        prefetch_l2(at + _QB // 2, m)
 
 
 @triton.jit
@@ -356,8 +340,7 @@ def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None,
             x2.stride(0), p.s8.stride(0) if p.s8 is not None else 0, norm[1] if norm is not None else 0.0,
             ACT8=p.n_act >= p.n8 > 0, SW_ROUND=interpreting(), SPLIT=split, NORM=norm is not None,
             PRE_ACT=pre, PRE_Q=pre_q, BLOCK_M=pl.block_m, BLOCK_N=pl.block_n, ALIGN=ROW_ALIGN, num_warps=pl.num_warps,
-            num_stages=pl.num_stages, PREFETCH_KB=triton.next_power_of_2(pl.kb_per_split) if prefetch_on() else 0,
-            **pdl_args())
+            num_stages=pl.num_stages, **pdl_args())
     return split_outputs(p, lo, hi, lead)
 
 

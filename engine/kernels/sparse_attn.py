@@ -46,7 +46,9 @@ from .rope_q import rope_q, rope_q_ref
 BLOCK_N = 32               # keys per tile: a [32, 512] bf16 tile, 32 KiB of shared memory per stage
 HEAD_TILE = 32             # most heads one program carries; more heads -> head groups
 NUM_STAGES = 2             # software pipelining depth of the key gather
-MIN_KEYS_PER_SPLIT = 128   # below this the partial write + combine outweighs the parallelism gained
+MIN_KEYS_PER_SPLIT = 32    # one key tile: bench/attention.py --sweep (H200, 2026-12-04, 8k, H 8, graph
+                           # replay with the combine) T = 1: CSA 17.2 us at 128 (5 splits) -> 12.0 at 32
+                           # (20), HCA 21.5 (1) -> 10.7 (6); T = 16 CSA 21.5 -> 17.8
 MAX_SPLITS = 32            # bounds the workspace
 PROGRAMS_PER_SM = 2        # split-K target: at least this many programs per SM
 COMBINE_BLOCK_D = 128      # channels per combine program
