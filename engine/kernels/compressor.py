@@ -99,20 +99,22 @@ def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, kst_ptr, sst_ptr, store_ptr, slot_
             dd = tl.arange(0, D)
             if NC > 1:
                 tl.debug_barrier()
-                c = tl.load(row + dd, cache_modifier=".cg").to(tl.float32)    # at L2: the other SMs' shares
+                o = tl.load(row + dd, cache_modifier=".cg").to(tl.float32)    # at L2: the other SMs' shares
                 tl.store(tick_ptr + b, 0)                                      # at rest for the next launch
-            c = c * tl.math.rsqrt(tl.sum(c * c, axis=0) / D + eps)
-            c = round_to(tl.load(w_ptr + dd).to(tl.float32) * c, out_ty)
+            else:
+                o = c
+            o = o * tl.math.rsqrt(tl.sum(o * o, axis=0) / D + eps)
+            o = round_to(tl.load(w_ptr + dd).to(tl.float32) * o, out_ty)
             half = tl.arange(0, D // 2) - (D - R) // 2
             hm = half >= 0
             cos = tl.load(cos_ptr + b * (R // 2) + half, mask=hm, other=1.0)
             sin = tl.load(sin_ptr + b * (R // 2) + half, mask=hm, other=0.0)
-            c = round_to(tl.reshape(_rope(tl.reshape(c, (1, D)), cos, sin, 1, D, R), (D,)), out_ty)
+            o = round_to(tl.reshape(_rope(tl.reshape(o, (1, D)), cos, sin, 1, D, R), (D,)), out_ty)
             if SIM == 1:
-                c = tl.where(dd < D - R, round_to(fp8_round_trip(c, D, 64), out_ty), c)
+                o = tl.where(dd < D - R, round_to(fp8_round_trip(o, D, 64), out_ty), o)
             if SIM == 2:
-                c = round_to(fp4_round_trip(round_to(tl.reshape(hadamard_rows(tl.reshape(c, (1, D)), hscale, 1, D, LOG_D), (D,)), out_ty), D, 32), out_ty)
-            tl.store(row + dd, c)
+                o = round_to(fp4_round_trip(round_to(tl.reshape(hadamard_rows(tl.reshape(o, (1, D)), hscale, 1, D, LOG_D), (D,)), out_ty), D, 32), out_ty)
+            tl.store(row + dd, o)
 
 
 # Channels per program (the pooling splits over channels; the last program of a row norms it):

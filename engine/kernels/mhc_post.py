@@ -54,7 +54,7 @@ def _mhc_post_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, lo_ptr
         NP: tl.constexpr = (2 + HC) * HC
         ss, mix_post, mix_comb, s1, s2, b_post, b_comb = load_post_comb(pc_ptr + tl.program_id(0) * (NP + 1), pc_C,
                                                                         T * (NP + 1), scale_ptr, base_ptr, HC, BLOCK_C,
-                                                                        ".cg")
+                                                                        True)
         pc_post, pc_comb = post_comb_of(ss, mix_post, mix_comb, s1, s2, b_post, b_comb, pc_K, pc_eps, hc_eps,
                                         ITERS)                                            # [HC], [HC(j), HC(k)]
     if MIX:     # fn's columns of this chunk, every stream: [BN, HC, BD], read once for TB tokens.

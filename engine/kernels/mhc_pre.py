@@ -35,32 +35,38 @@ DEFER_POST_COMB = True
 
 
 @triton.jit
-def _mix_at(m, offs, C, stride_c, BLOCK_C: tl.constexpr, TWO_D: tl.constexpr, CACHE: tl.constexpr = ""):
+def _mix_at(m, offs, C, stride_c, BLOCK_C: tl.constexpr, TWO_D: tl.constexpr, CG: tl.constexpr):
     """The mix dots at offs ([HC] or, TWO_D, [HC,HC]) of one token's partials row m, summed over
-    the C splits (the row's rsqrt norm not yet applied)."""
+    the C splits (the row's rsqrt norm not yet applied). CG: loaded at L2 (.cg)."""
     cc = tl.arange(0, BLOCK_C)
     if TWO_D:
-        v = tl.load(m + cc[:, None, None] * stride_c + offs[None, :, :], mask=(cc < C)[:, None, None], other=0.0,
-                    cache_modifier=CACHE)
+        at = m + cc[:, None, None] * stride_c + offs[None, :, :]
+        mask = (cc < C)[:, None, None]
     else:
-        v = tl.load(m + cc[:, None] * stride_c + offs[None, :], mask=(cc < C)[:, None], other=0.0,
-                    cache_modifier=CACHE)
+        at = m + cc[:, None] * stride_c + offs[None, :]
+        mask = (cc < C)[:, None]
+    if CG:
+        v = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        v = tl.load(at, mask=mask, other=0.0)
     return tl.sum(v, axis=0)
 
 
 @triton.jit
-def load_post_comb(m, C, stride_c, scale_ptr, base_ptr, HC: tl.constexpr, BLOCK_C: tl.constexpr,
-                   CACHE: tl.constexpr = ""):
+def load_post_comb(m, C, stride_c, scale_ptr, base_ptr, HC: tl.constexpr, BLOCK_C: tl.constexpr, CG: tl.constexpr):
     """What post and comb of one token are made of: the sum of squares, the mix dots (summed over
-    the C splits of its partials row m), the scales and bases. CACHE: the partials' load cache
-    modifier (".cg": at L2, for a reader that did not wait for their writer)."""
+    the C splits of its partials row m), the scales and bases. CG: the partials loaded at L2 (for
+    a reader that did not wait for their writer)."""
     N: tl.constexpr = (2 + HC) * HC
     cc = tl.arange(0, BLOCK_C)
     k = tl.arange(0, HC)
     jk = k[:, None] * HC + k[None, :]                                                     # [HC,HC]
-    ss = tl.sum(tl.load(m + cc * stride_c + N, mask=cc < C, other=0.0, cache_modifier=CACHE), axis=0)
-    mix_post = _mix_at(m, HC + k, C, stride_c, BLOCK_C, False, CACHE)
-    mix_comb = _mix_at(m, 2 * HC + jk, C, stride_c, BLOCK_C, True, CACHE)
+    if CG:
+        ss = tl.sum(tl.load(m + cc * stride_c + N, mask=cc < C, other=0.0, cache_modifier=".cg"), axis=0)
+    else:
+        ss = tl.sum(tl.load(m + cc * stride_c + N, mask=cc < C, other=0.0), axis=0)
+    mix_post = _mix_at(m, HC + k, C, stride_c, BLOCK_C, False, CG)
+    mix_comb = _mix_at(m, 2 * HC + jk, C, stride_c, BLOCK_C, True, CG)
     return (ss, mix_post, mix_comb, tl.load(scale_ptr + 1), tl.load(scale_ptr + 2), tl.load(base_ptr + HC + k),
             tl.load(base_ptr + 2 * HC + jk))
 
@@ -94,7 +100,7 @@ def _load_collapse(m, C, stride_c, scale_ptr, base_ptr, h_ptr, w_ptr, D, stride_
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     ss = tl.sum(tl.load(m + cc * stride_c + N, mask=cc < C, other=0.0), axis=0)
-    mix_pre = _mix_at(m, k, C, stride_c, BLOCK_C, False)
+    mix_pre = _mix_at(m, k, C, stride_c, BLOCK_C, False, False)
     h = tl.load(h_ptr + t * stride_ht + k[:, None] * stride_hj + d[None, :], mask=dm[None, :], other=0.0)  # [HC,D]
     w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
     return ss, mix_pre, h, w, tl.load(scale_ptr), tl.load(base_ptr + k)
@@ -150,7 +156,7 @@ def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, xa_ptr, 
         ss, mix_pre, h, w, s0, b_pre = _load_collapse(m, C, stride_c, scale_ptr, base_ptr, h_ptr, w_ptr, D,
                                                       stride_ht, stride_hj, t, HC, BLOCK_D, BLOCK_C)
         ss2, mix_post, mix_comb, s1, s2, b_post, b_comb = load_post_comb(m, C, stride_c, scale_ptr, base_ptr,
-                                                                          HC, BLOCK_C)
+                                                                         HC, BLOCK_C, False)
         _post_comb(ss2, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, post_ptr, comb_ptr, t, hc_eps,
                    HC, ITERS)
         _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, xq_ptr, xs_ptr, D, stride_yt, t, hc_eps,
@@ -162,7 +168,7 @@ def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, xa_ptr, 
                   norm_eps, HC, BLOCK_D, ACT, CODES)
     else:
         ss2, mix_post, mix_comb, s1, s2, b_post, b_comb = load_post_comb(m, C, stride_c, scale_ptr, base_ptr,
-                                                                          HC, BLOCK_C)
+                                                                         HC, BLOCK_C, False)
         _post_comb(ss2, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, post_ptr, comb_ptr, t, hc_eps,
                    HC, ITERS)
 
