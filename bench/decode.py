@@ -227,7 +227,6 @@ LEVERS = {
     "post_mix": ("engine.kernels.mhc_post", "POST_MIX_MAX_T", 0),           # mhc_pre's mix GEMM instead
     "attn_splits": ("engine.kernels.sparse_attn", "MIN_KEYS_PER_SPLIT", 128),  # the earlier split plan
     "compress_split": ("engine.kernels.compressor", "CHANNELS_PER_PROGRAM", 1 << 30),  # one program a row
-    "defer": ("engine.kernels.mhc_pre", "DEFER_POST_COMB", False),       # post and comb on mhc_pre's side stream
 }
 
 

@@ -25,7 +25,7 @@ from engine.kernels.bf16_gemm import split_bf16  # noqa: E402
 from engine.kernels.act_sim import fp4_sim, fp4_sim_ref, fp8_sim, fp8_sim_ref  # noqa: E402
 from engine.numerics import fp8_codes_ref  # noqa: E402
 from engine.kernels.mhc_post import POST_MIX_BLOCK_D, POST_MIX_MAX_T, mhc_post, mhc_post_ref  # noqa: E402
-from engine.kernels.mhc_pre import ROLES_MAX_T, PostComb, mhc_pre, mhc_pre_ref  # noqa: E402
+from engine.kernels.mhc_pre import ROLES_MAX_T, mhc_pre, mhc_pre_ref  # noqa: E402
 from engine.kernels.rope_kv import rope_qkv, rope_qkv_ref  # noqa: E402
 from engine.kernels.router import route, route_ref  # noqa: E402
 from engine.kernels.fused_moe import align_plan  # noqa: E402
@@ -168,40 +168,6 @@ def check_mhc_post_mix(T, dtype, D=96, dev="cpu", tb=None, block_d=32, lo=True):
     def run():      # the partials copied out of their scratch buffer, which the next call overwrites
         y, m = mhc_post(f, res, post, comb, mix=(hi, lo_, 1e-6), tokens_per_program=tb, mix_block_d=block_d)
         return y, m.parts.clone()
-    return run
-
-
-def check_mhc_defer(T, dtype, D=96, dev="cpu", with_mix=True):
-    """mhc_pre deferring post and comb (a PostComb: the collapse alone) and mhc_post deriving them in
-    its prologue: x bit for bit the two-launch form's, the PostComb's post and comb (torch) its, and
-    mhc_post's streams (and next mix) those of mhc_post given the two-launch post and comb."""
-    r = gen(dev)
-    h, f = r(T, 4, D).to(dtype), r(T, D).to(dtype)
-    hi, lo = split_bf16(r(24, 4 * D, s=0.6 / (4 * D) ** 0.5))
-    rest = (1 + r(3, s=0.1), r(24, s=0.5), (1 + r(D, s=0.05)).to(dtype), 20, 1e-6, 1e-6)
-    x0, post0, comb0 = mhc_pre(h, hi, lo, *rest)
-    with poisoned():
-        x1, pc, none = mhc_pre(h, hi, lo, *rest, defer=True)
-    assert none is None and isinstance(pc, PostComb) and torch.equal(x1, x0)
-    post1, comb1 = pc.tensors()
-    close(post1, post0, 1e-5)
-    close(comb1, comb0, 1e-5)
-    mix = (hi, lo, 1e-6) if with_mix else None
-    want = mhc_post(f, h, post0, comb0, mix=mix)
-    want = (want[0], want[1].parts.clone()) if with_mix else want
-    with poisoned():
-        got = mhc_post(f, h, pc, None, mix=mix)
-    ref = mhc_post_ref(f, h, pc, None)                     # the reference takes a PostComb too
-    if with_mix:
-        assert got[1].buf == (pc.mix.buf + 1) % 2, "the next mix must not overwrite the partials read"
-        close(got[1].parts, want[1], 1e-5)
-        got = got[0]
-        want = want[0]
-    close(got, want, tol_for(dtype, dev))
-    close(got, ref, tol_for(dtype, dev))
-    def run():
-        y = mhc_post(f, h, pc, None, mix=mix)
-        return (y[0], y[1].parts.clone()) if with_mix else y
     return run
 
 
@@ -411,7 +377,6 @@ def _cpu_cases():
             cases[f"mhc_post-T{T}-{n}"] = (check_mhc_post, dict(T=T, dtype=dt, inplace=T == 3))
             cases[f"mhc_post_mix-T{T}-{n}"] = (check_mhc_post_mix, dict(T=T, dtype=dt, tb={1: None, 3: 2, 7: 4}[T],
                                                                         lo=T != 7))
-            cases[f"mhc_defer-T{T}-{n}"] = (check_mhc_defer, dict(T=T, dtype=dt, with_mix=T != 3))
             for table in (True, False):
                 for fp8 in (False, True):
                     cases[f"rope-T{T}-{n}-{'table' if table else 'inkernel'}-{'fp8' if fp8 else 'nofp8'}"] = (
@@ -560,8 +525,6 @@ def test_gpu_mhc(T):
     graph_equals_eager(check_mhc_post(T, BF16, D=4096, dev="cuda", block_d=512))
     if T <= POST_MIX_MAX_T:
         graph_equals_eager(check_mhc_post_mix(T, BF16, D=4096, dev="cuda", block_d=None))
-        graph_equals_eager(check_mhc_defer(T, BF16, D=4096, dev="cuda"))
-    graph_equals_eager(check_mhc_defer(T, BF16, D=4096, dev="cuda", with_mix=False))
     check_mhc_pre(T, BF16, D=4096, dev="cuda", out=True)
     check_mhc_post(T, BF16, D=4096, dev="cuda", inplace=True, block_d=512)
     check_mhc_post(T, BF16, D=4096, dev="cuda", block_d=512, f_dtype=torch.float32)

@@ -155,13 +155,10 @@ def _launch(a3, b3, lo, y3, eps, sumsq, workspace, plan_kw, parts=None):
 class MixPartials:
     """The mHC mix as partial sums over K splits: parts [C, T, N + 1] fp32, where parts[c, t, :N] is
     split c's share of h_flat[t] @ fn^T and parts[c, t, N] its share of sum(h_flat[t]^2); K = hc * D.
-    mix = sum_c parts[..., :N] * rsqrt(sum_c parts[..., N] / K + eps), summed in mhc_pre's kernel.
-    buf: which scratch buffer holds parts (-1 the mix GEMM's, 0 or 1 mhc_post's: it writes the one
-    it does not read)."""
+    mix = sum_c parts[..., :N] * rsqrt(sum_c parts[..., N] / K + eps), summed in mhc_pre's kernel."""
     parts: torch.Tensor
     K: int
     eps: float
-    buf: int = -1
 
 
 def mhc_mix_parts(h, fn_hi, fn_lo=None, norm_eps=1e-6, **plan_kw) -> MixPartials:

@@ -83,7 +83,10 @@ def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, kst_ptr, sst_ptr, store_ptr, slot_
         c = round_to(tl.math.div_rn(acc, den), out_ty)          # exact in the pool's dtype
         if OVERLAP:
             # the finished window (rows r..2r-1, this program's channels) becomes the previous one
-            # (rows 0..r-1): only this program reads these channels, and it has read them
+            # (rows 0..r-1): only this program reads these channels, and once every warp has read
+            # them (the barrier: the pooling's row reductions may be warp-local, so nothing else
+            # orders another warp's store of a row after this warp's load of it)
+            tl.debug_barrier()
             rr = tl.arange(0, RATIO)
             src = (RATIO + rr)[:, None] * C + cc[None, :]
             mine = (RATIO + rr == cur)[:, None]

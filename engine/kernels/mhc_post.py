@@ -12,10 +12,6 @@ Given the next mhc_pre's mix weight (`mix`), the kernel also leaves that mix as 
 written with the matching columns of fn (hi + lo, fp32) and sums their squares, so the next
 sub-layer's mhc_pre needs no mix GEMM (one launch and one read of the streams fewer). Each
 program takes TB tokens in turn, reading its fn columns once for all of them.
-
-Given mhc_pre's deferred post and comb (a PostComb), each program derives its token's from the
-mix partials (Sinkhorn in registers) before its PDL wait, where mhc_pre's second launch on a side
-stream made them otherwise.
 """
 import torch
 import triton
@@ -24,7 +20,6 @@ import triton.language as tl
 from engine.numerics import up
 from .bf16_gemm import MixPartials
 from .common import gdc_enter, pdl_args, round_to, scratch
-from .mhc_pre import PostComb, load_post_comb, post_comb_of
 
 # Tokens up to which mhc_post also makes the next mix (above: mhc_pre's mix GEMM, on tensor cores,
 # reads fn once for every 64-128 tokens where this reads it once per TB tokens), and the fused
@@ -38,25 +33,13 @@ POST_MIX_TOKENS, POST_MIX_BLOCK_D = 1, 128
 @triton.jit
 def _mhc_post_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, lo_ptr, part_ptr, T, D,
                      stride_ft, stride_rt, stride_rj, stride_ot, stride_oj,
-                     pc_ptr, scale_ptr, base_ptr, pc_C, pc_K, pc_eps, hc_eps,
                      HC: tl.constexpr, BLOCK_D: tl.constexpr, TB: tl.constexpr = 1, MIX: tl.constexpr = False,
                      HAS_LO: tl.constexpr = False, N: tl.constexpr = 1, BLOCK_N: tl.constexpr = 1,
-                     PC: tl.constexpr = False, ITERS: tl.constexpr = 1, BLOCK_C: tl.constexpr = 1,
                      USE_GDC: tl.constexpr = False):
     c = tl.program_id(1)                # the D-chunk: the split of the mix partials too
     d = c * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
     k = tl.arange(0, HC)
-    if PC:      # post and comb of this program's token (TB = 1) from its mix partials (mhc_pre's
-        # PostComb), before the PDL wait: they were written three or more launches ago, complete
-        # once the previous launch passed its own wait (gdc_enter), so Sinkhorn's rounds run while
-        # that launch drains
-        NP: tl.constexpr = (2 + HC) * HC
-        ss, mix_post, mix_comb, s1, s2, b_post, b_comb = load_post_comb(pc_ptr + tl.program_id(0) * (NP + 1), pc_C,
-                                                                        T * (NP + 1), scale_ptr, base_ptr, HC, BLOCK_C,
-                                                                        True)
-        pc_post, pc_comb = post_comb_of(ss, mix_post, mix_comb, s1, s2, b_post, b_comb, pc_K, pc_eps, hc_eps,
-                                        ITERS)                                            # [HC], [HC(j), HC(k)]
     if MIX:     # fn's columns of this chunk, every stream: [BN, HC, BD], read once for TB tokens.
         # Read before gdc_enter's wait, the one read of this project's kernels that is: fn is a
         # weight no kernel writes, so under PDL its ~25 KB a program stream in during the previous
@@ -74,17 +57,11 @@ def _mhc_post_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, lo_ptr
         tm = t < T
         f = tl.load(f_ptr + t * stride_ft + d, mask=dm & tm, other=0.0).to(tl.float32)     # [BD]
         f = round_to(f, out_ptr.dtype.element_ty)    # the sub-layer output's cast to the streams' dtype
-        if PC:
-            post = pc_post
-        else:
-            post = tl.load(post_ptr + t * HC + k, mask=tm, other=0.0)                      # [HC]
+        post = tl.load(post_ptr + t * HC + k, mask=tm, other=0.0)                          # [HC]
         acc = post[:, None] * f[None, :]                                                   # [HC(k), BD]
         for j in tl.static_range(HC):
             # comb row j: the weights input stream j gives to each output stream k
-            if PC:
-                cj = tl.sum(tl.where(k[:, None] == j, pc_comb, 0.0), axis=0)               # [HC(k)]
-            else:
-                cj = tl.load(comb_ptr + t * HC * HC + j * HC + k, mask=tm, other=0.0)      # [HC(k)]
+            cj = tl.load(comb_ptr + t * HC * HC + j * HC + k, mask=tm, other=0.0)          # [HC(k)]
             rj = tl.load(res_ptr + t * stride_rt + j * stride_rj + d, mask=dm & tm, other=0.0).to(tl.float32)
             acc += cj[:, None] * rj[None, :]
         o = round_to(acc, out_ptr.dtype.element_ty)                                        # [HC, BD]
@@ -100,19 +77,16 @@ def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
              out: torch.Tensor | None = None, block_d: int = 512, after=None, mix=None,
              tokens_per_program: int | None = None, mix_block_d: int | None = None):
     """f [...,D] (res's dtype or wider: rounded to res's first), res [...,hc,D], post [...,hc] fp32,
-    comb [...,hc,hc] fp32 -> [...,hc,D] (res dtype). post may be mhc_pre's PostComb (comb None):
-    the kernel derives post and comb from that mix itself, before its PDL wait.
+    comb [...,hc,hc] fp32 -> [...,hc,D] (res dtype).
 
     `out` (same shape and dtype as res, may be res itself) is written in place when given. after:
-    the stream mhc_pre wrote post and comb on (its `side`): this stream waits for it first (not
-    for a PostComb: nothing was launched there).
+    the stream mhc_pre wrote post and comb on (its `side`): this stream waits for it first.
     mix: (fn_hi, fn_lo or None, eps) of the mhc_pre that reads the result next -> (result,
     MixPartials of its mix, for that mhc_pre's `mix`; None above POST_MIX_MAX_T tokens, where
     mhc_pre mixes itself). The partials live in a scratch buffer the next mhc_pre must read
     before the next mhc_post (stream order). tokens_per_program, mix_block_d: the fused launch's
     plan (tests and tuning)."""
-    pc = post if isinstance(post, PostComb) else None
-    if after is not None and pc is None:
+    if after is not None:
         torch.cuda.current_stream(res.device).wait_stream(after)
     hc, D = res.shape[-2:]
     assert hc & (hc - 1) == 0, "hc must be a power of two (register tiles)"
@@ -121,39 +95,28 @@ def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
     r3 = res.reshape(-1, hc, D)
     assert f2.stride(-1) == 1 and r3.stride(-1) == 1
     T = r3.shape[0]
+    p2 = post.reshape(T, hc).float().contiguous()
+    c3 = comb.reshape(T, hc, hc).float().contiguous()
     o = torch.empty_like(r3) if out is None else out.view(T, hc, D)
-    if pc is not None:      # the pointers post and comb would take are unused (PC)
-        p2 = c3 = o
-        assert pc.mix.parts.shape[1] == T and pc.base.shape[0] == (2 + hc) * hc
-        pc_args = (pc.mix.parts, pc.scale, pc.base, pc.mix.parts.shape[0], pc.mix.K, pc.mix.eps, pc.hc_eps)
-        pc_kw = dict(PC=True, ITERS=pc.iters, BLOCK_C=triton.next_power_of_2(pc.mix.parts.shape[0]))
-    else:
-        p2 = post.reshape(T, hc).float().contiguous()
-        c3 = comb.reshape(T, hc, hc).float().contiguous()
-        pc_args, pc_kw = (o, o, o, 0, 1, 0.0, 0.0), {}
     parts = None
     if mix is not None and 0 < T <= POST_MIX_MAX_T:
         fn_hi, fn_lo, eps = mix
         N = fn_hi.shape[0]
         assert fn_hi.shape == (N, hc * D) and fn_hi.is_contiguous() and (fn_lo is None or fn_lo.is_contiguous())
         block = min(mix_block_d or POST_MIX_BLOCK_D, triton.next_power_of_2(D))
-        tb = 1 if pc is not None else min(tokens_per_program or POST_MIX_TOKENS, T)
+        tb = min(tokens_per_program or POST_MIX_TOKENS, T)
         C = triton.cdiv(D, block)
-        # not the buffer this launch's PostComb reads (its programs read it while others write)
-        buf = (pc.mix.buf + 1) % 2 if pc is not None else 0
-        parts = scratch(f"mhc.parts.{buf}", res.device, C * T * (N + 1), torch.float32)[:C * T * (N + 1)]
-        parts = parts.view(C, T, N + 1)
+        parts = scratch("mhc.parts", res.device, C * T * (N + 1), torch.float32)[:C * T * (N + 1)].view(C, T, N + 1)
         _mhc_post_kernel[(triton.cdiv(T, tb), C)](
             f2, r3, p2, c3, o, fn_hi, fn_lo if fn_lo is not None else fn_hi, parts, T, D, f2.stride(0), r3.stride(0),
-            r3.stride(1), o.stride(0), o.stride(1), *pc_args, HC=hc, BLOCK_D=block, TB=tb, MIX=True,
-            HAS_LO=fn_lo is not None, N=N, BLOCK_N=triton.next_power_of_2(N), **pc_kw, num_warps=4, **pdl_args())
-        parts = MixPartials(parts, hc * D, eps, buf)
+            r3.stride(1), o.stride(0), o.stride(1), HC=hc, BLOCK_D=block, TB=tb, MIX=True, HAS_LO=fn_lo is not None,
+            N=N, BLOCK_N=triton.next_power_of_2(N), num_warps=4, **pdl_args())
+        parts = MixPartials(parts, hc * D, eps)
     elif T:
         block = min(block_d, triton.next_power_of_2(D))
         grid = (T, triton.cdiv(D, block))
         _mhc_post_kernel[grid](f2, r3, p2, c3, o, r3, r3, r3, T, D, f2.stride(0), r3.stride(0), r3.stride(1),
-                               o.stride(0), o.stride(1), *pc_args, HC=hc, BLOCK_D=block, **pc_kw, num_warps=4,
-                               **pdl_args())
+                               o.stride(0), o.stride(1), HC=hc, BLOCK_D=block, num_warps=4, **pdl_args())
     y = o.view(*lead, hc, D) if out is None else out
     return y if mix is None else (y, parts)
 
@@ -161,9 +124,7 @@ def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
 def mhc_post_ref(f, res, post, comb, out=None, block_d=None, after=None, mix=None, **_):
     """Torch reference, and the model's hc_post (engine.model.mhc imports it):
     out[k] = post[k] * f + sum_j comb[j, k] * res[j]  ->  [...,hc,D] in res's dtype (f cast to it first).
-    mix given: (out, None), the next mhc_pre mixes itself. post may be a PostComb (comb None)."""
-    if isinstance(post, PostComb):
-        post, comb = post.tensors()
+    mix given: (out, None), the next mhc_pre mixes itself."""
     y = (post[..., None] * up(f.to(res.dtype))[..., None, :] + comb.transpose(-1, -2) @ up(res)).to(res.dtype)
     y = y if out is None else out.copy_(y)
     return y if mix is None else (y, None)

@@ -13,14 +13,13 @@ Replaces engine.model.mhc.hc_pre (the mix, about 20 Sinkhorn rounds of small tor
 collapse and a cast) plus RMSNorm (and an act_sim launch).
 """
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.numerics import fp8_codes_ref, fp8_sim_ref, up
-from .bf16_gemm import MixPartials, mhc_mix_parts, mhc_mix_ref
+from .bf16_gemm import mhc_mix_parts, mhc_mix_ref
 from .act_sim import fp8_quant
 from .common import gdc_enter, pdl_args, round_to
 from .rms_norm import rms_norm_ref as rms_norm
@@ -30,63 +29,44 @@ from .sinkhorn import sinkhorn_ref as sinkhorn, sinkhorn_tile
 # mix + pre, graph replay, 8 layers' weights): 1.2-1.3 us faster per call at 1-64 tokens, 1.5-2.6 us
 # slower at 256 (twice the programs, half of them Sinkhorn's few floats).
 ROLES_MAX_T = 64
-# Steps launched with PDL leave post and comb to mhc_post (mhc_pre's `defer`); off: the side stream.
-DEFER_POST_COMB = True
 
 
 @triton.jit
-def _mix_at(m, offs, C, stride_c, BLOCK_C: tl.constexpr, TWO_D: tl.constexpr, CG: tl.constexpr):
+def _mix_at(m, offs, C, stride_c, BLOCK_C: tl.constexpr, TWO_D: tl.constexpr):
     """The mix dots at offs ([HC] or, TWO_D, [HC,HC]) of one token's partials row m, summed over
-    the C splits (the row's rsqrt norm not yet applied). CG: loaded at L2 (.cg)."""
+    the C splits (the row's rsqrt norm not yet applied)."""
     cc = tl.arange(0, BLOCK_C)
     if TWO_D:
-        at = m + cc[:, None, None] * stride_c + offs[None, :, :]
-        mask = (cc < C)[:, None, None]
+        v = tl.load(m + cc[:, None, None] * stride_c + offs[None, :, :], mask=(cc < C)[:, None, None], other=0.0)
     else:
-        at = m + cc[:, None] * stride_c + offs[None, :]
-        mask = (cc < C)[:, None]
-    if CG:
-        v = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        v = tl.load(at, mask=mask, other=0.0)
+        v = tl.load(m + cc[:, None] * stride_c + offs[None, :], mask=(cc < C)[:, None], other=0.0)
     return tl.sum(v, axis=0)
 
 
 @triton.jit
-def load_post_comb(m, C, stride_c, scale_ptr, base_ptr, HC: tl.constexpr, BLOCK_C: tl.constexpr, CG: tl.constexpr):
+def _load_post_comb(m, C, stride_c, scale_ptr, base_ptr, HC: tl.constexpr, BLOCK_C: tl.constexpr):
     """What post and comb of one token are made of: the sum of squares, the mix dots (summed over
-    the C splits of its partials row m), the scales and bases. CG: the partials loaded at L2 (for
-    a reader that did not wait for their writer)."""
+    the C splits of its partials row m), the scales and bases."""
     N: tl.constexpr = (2 + HC) * HC
     cc = tl.arange(0, BLOCK_C)
     k = tl.arange(0, HC)
     jk = k[:, None] * HC + k[None, :]                                                     # [HC,HC]
-    if CG:
-        ss = tl.sum(tl.load(m + cc * stride_c + N, mask=cc < C, other=0.0, cache_modifier=".cg"), axis=0)
-    else:
-        ss = tl.sum(tl.load(m + cc * stride_c + N, mask=cc < C, other=0.0), axis=0)
-    mix_post = _mix_at(m, HC + k, C, stride_c, BLOCK_C, False, CG)
-    mix_comb = _mix_at(m, 2 * HC + jk, C, stride_c, BLOCK_C, True, CG)
+    ss = tl.sum(tl.load(m + cc * stride_c + N, mask=cc < C, other=0.0), axis=0)
+    mix_post = _mix_at(m, HC + k, C, stride_c, BLOCK_C, False)
+    mix_comb = _mix_at(m, 2 * HC + jk, C, stride_c, BLOCK_C, True)
     return (ss, mix_post, mix_comb, tl.load(scale_ptr + 1), tl.load(scale_ptr + 2), tl.load(base_ptr + HC + k),
             tl.load(base_ptr + 2 * HC + jk))
 
 
 @triton.jit
-def post_comb_of(ss, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, hc_eps, ITERS: tl.constexpr):
-    """-> post = 2 sigmoid(.) [HC], comb = Sinkhorn(.) [HC(j), HC(k)] of one token (mhc_post's too)."""
-    rnorm = tl.math.rsqrt(ss / K + mix_eps)     # mhc_mix's order: the dots, then the norm
-    return 2 * tl.sigmoid(mix_post * rnorm * s1 + b_post), sinkhorn_tile(mix_comb * rnorm * s2 + b_comb, hc_eps, ITERS)
-
-
-@triton.jit
 def _post_comb(ss, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, post_ptr, comb_ptr, t, hc_eps,
                HC: tl.constexpr, ITERS: tl.constexpr):
-    """post and comb of token t, stored."""
+    """post = 2 sigmoid(.), comb = Sinkhorn(.) of token t, stored."""
     k = tl.arange(0, HC)
     jk = k[:, None] * HC + k[None, :]
-    post, comb = post_comb_of(ss, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, hc_eps, ITERS)
-    tl.store(post_ptr + t * HC + k, post)
-    tl.store(comb_ptr + t * HC * HC + jk, comb)
+    rnorm = tl.math.rsqrt(ss / K + mix_eps)     # mhc_mix's order: the dots, then the norm
+    tl.store(post_ptr + t * HC + k, 2 * tl.sigmoid(mix_post * rnorm * s1 + b_post))
+    tl.store(comb_ptr + t * HC * HC + jk, sinkhorn_tile(mix_comb * rnorm * s2 + b_comb, hc_eps, ITERS))
 
 
 @triton.jit
@@ -100,7 +80,7 @@ def _load_collapse(m, C, stride_c, scale_ptr, base_ptr, h_ptr, w_ptr, D, stride_
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     ss = tl.sum(tl.load(m + cc * stride_c + N, mask=cc < C, other=0.0), axis=0)
-    mix_pre = _mix_at(m, k, C, stride_c, BLOCK_C, False, False)
+    mix_pre = _mix_at(m, k, C, stride_c, BLOCK_C, False)
     h = tl.load(h_ptr + t * stride_ht + k[:, None] * stride_hj + d[None, :], mask=dm[None, :], other=0.0)  # [HC,D]
     w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
     return ss, mix_pre, h, w, tl.load(scale_ptr), tl.load(base_ptr + k)
@@ -155,8 +135,8 @@ def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, xa_ptr, 
     if ROLES == 1:
         ss, mix_pre, h, w, s0, b_pre = _load_collapse(m, C, stride_c, scale_ptr, base_ptr, h_ptr, w_ptr, D,
                                                       stride_ht, stride_hj, t, HC, BLOCK_D, BLOCK_C)
-        ss2, mix_post, mix_comb, s1, s2, b_post, b_comb = load_post_comb(m, C, stride_c, scale_ptr, base_ptr,
-                                                                         HC, BLOCK_C, False)
+        ss2, mix_post, mix_comb, s1, s2, b_post, b_comb = _load_post_comb(m, C, stride_c, scale_ptr, base_ptr,
+                                                                          HC, BLOCK_C)
         _post_comb(ss2, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, post_ptr, comb_ptr, t, hc_eps,
                    HC, ITERS)
         _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, xq_ptr, xs_ptr, D, stride_yt, t, hc_eps,
@@ -167,36 +147,15 @@ def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, xa_ptr, 
         _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, xq_ptr, xs_ptr, D, stride_yt, t, hc_eps,
                   norm_eps, HC, BLOCK_D, ACT, CODES)
     else:
-        ss2, mix_post, mix_comb, s1, s2, b_post, b_comb = load_post_comb(m, C, stride_c, scale_ptr, base_ptr,
-                                                                         HC, BLOCK_C, False)
+        ss2, mix_post, mix_comb, s1, s2, b_post, b_comb = _load_post_comb(m, C, stride_c, scale_ptr, base_ptr,
+                                                                          HC, BLOCK_C)
         _post_comb(ss2, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, post_ptr, comb_ptr, t, hc_eps,
                    HC, ITERS)
 
 
-@dataclass
-class PostComb:
-    """post and comb not made yet: the mix they come from and Sinkhorn's constants, for mhc_post to
-    derive them in its prologue (mhc_pre's deferred form)."""
-    mix: MixPartials     # of the T tokens (mhc_post reads them: the buffer its next mix must not be)
-    scale: torch.Tensor  # [3] fp32
-    base: torch.Tensor   # [(2+hc)*hc] fp32
-    iters: int
-    hc_eps: float
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> post [T,hc], comb [T,hc,hc] fp32, in torch (the reference mhc_post's and tests')."""
-        N = self.base.shape[0]
-        hc = round((N + 1) ** 0.5) - 1
-        p = self.mix.parts.sum(0)                                                           # [T, N+1]
-        mix = p[:, :N] * torch.rsqrt(p[:, N:] / self.mix.K + self.mix.eps)
-        post = 2 * torch.sigmoid(mix[:, hc:2 * hc] * self.scale[1] + self.base[hc:2 * hc])
-        comb = (mix[:, 2 * hc:] * self.scale[2] + self.base[2 * hc:]).unflatten(-1, (hc, hc))
-        return post, sinkhorn(comb, self.iters, self.hc_eps)
-
-
 def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, scale: torch.Tensor,
             base: torch.Tensor, norm_weight: torch.Tensor, iters: int, hc_eps: float, norm_eps: float,
-            out=None, act_out=None, act_q=None, side=None, roles=None, mix=None, defer=None, **mix_plan):
+            out=None, act_out=None, act_q=None, side=None, roles=None, mix=None, **mix_plan):
     """h [...,hc,D], the mix weight fn_hi (+ fn_lo) [(2+hc)*hc, hc*D] bf16 (split_bf16 of the fp32
     fn), scale [3], base [(2+hc)*hc], norm_weight [D]
     -> y = RMSNorm(sum_j pre_j h_j) [...,D] (h dtype), post [...,hc] fp32, comb [...,hc,hc] fp32.
@@ -217,14 +176,7 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
     of the same CUDA graph capture). roles: 1 or 2 programs per token, or "split" (the two
     launches of `side`, on one stream: tests); mix: h's mix as MixPartials already (made by the
     mhc_post that wrote h: no mix GEMM here); mix_plan: the mix GEMM's plan (split_k, ...: tests
-    and tuning).
-
-    defer (None: when a `side` stream is given, no `out`, and the step launches with PDL): post and
-    comb are not made here; the result's post is a PostComb and comb None, and the sub-layer's
-    mhc_post derives them from the mix in its prologue, before its PDL wait (the mix was written
-    three or more launches before it, so it is complete: common.gdc_enter). One launch, no side
-    stream: two launches a layer fewer. Without PDL that prologue would be on the critical path,
-    so larger steps keep `side`."""
+    and tuning)."""
     hc, D = h.shape[-2:]
     N = (2 + hc) * hc
     assert hc & (hc - 1) == 0 and fn_hi.shape[0] == N
@@ -232,12 +184,6 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
     h3 = h.reshape(-1, hc, D)
     T = h3.shape[0]
     assert h3.stride(-1) == 1
-    if defer is None:
-        defer = DEFER_POST_COMB and side is not None and out is None and roles is None and bool(pdl_args())
-    if defer and T:
-        assert out is None and roles is None
-        return _deferred(h3, fn_hi, fn_lo, scale, base, norm_weight, iters, hc_eps, norm_eps, act_out, act_q, mix,
-                         mix_plan, lead)
     if out is None:
         y = torch.empty(T, D, dtype=h.dtype, device=h.device)
         post = torch.empty(T, hc, dtype=torch.float32, device=h.device)
@@ -282,26 +228,6 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
     if out is not None:
         return out
     return y.view(*lead, D), post.view(*lead, hc), comb.view(*lead, hc, hc)
-
-
-def _deferred(h3, fn_hi, fn_lo, scale, base, norm_weight, iters, hc_eps, norm_eps, act_out, act_q, mix, mix_plan,
-              lead):
-    """mhc_pre's deferred form: the collapse alone (role 0) -> (y, PostComb, None)."""
-    T, hc, D = h3.shape
-    y = torch.empty(T, D, dtype=h3.dtype, device=h3.device)
-    if mix is None:
-        mix = mhc_mix_parts(h3, fn_hi, fn_lo, norm_eps, **mix_plan)
-    C = mix.parts.shape[0]
-    assert mix.parts.shape[1:] == (T, (2 + hc) * hc + 1) and mix.K == hc * D
-    xa = act_out if act_out is not None else y
-    xq, xs = act_q if act_q is not None else (y, y)
-    sc, bs = scale.float().contiguous(), base.float().contiguous()
-    block = triton.next_power_of_2(D)
-    _mhc_pre_kernel[(T, 1)](mix.parts, sc, bs, h3, norm_weight.contiguous(), y, xa, xq, xs, y, y, D, h3.stride(0),
-                            h3.stride(1), D, hc_eps, norm_eps, C, mix.K, norm_eps, HC=hc, ITERS=iters, BLOCK_D=block,
-                            BLOCK_C=triton.next_power_of_2(C), ROLES=2, ACT=act_out is not None,
-                            CODES=act_q is not None, ROLE=0, num_warps=min(16, max(1, block // 512)), **pdl_args())
-    return y.view(*lead, D), PostComb(mix, sc, bs, iters, hc_eps), None
 
 
 def mhc_pre_ref(h, fn_hi, fn_lo, scale, base, norm_weight, iters, hc_eps, norm_eps, out=None, act_out=None,
