@@ -1,7 +1,8 @@
-"""WIP: mhc_post + the mix GEMM + mhc_pre (main's three launches) against mhc_post making the mix
-partials + mhc_pre (this branch), per sub-layer, 8 layers' distinct weights per CUDA graph, at
-T = 1, 16, 64 and a sweep of the fused launch's tokens per program and D-chunk; checks the
-streams equal and the outputs close. H200 run: not yet.
+"""mHC post + pre per sub-layer: mhc_post, the mix GEMM and mhc_pre (three launches) against
+mhc_post also making the next mix's partials + mhc_pre (two), 8 layers' distinct weights per CUDA
+graph, at T = 1, 16, 64, with a sweep of the fused launch's tokens (tb) and channels (bd) per
+program; checks the streams equal and the outputs close. Prints us per sub-layer (graph replay).
+H200 figures: bench/RESULTS.md, bench/results/post-mix-h200.json.
 """
 import sys, torch, statistics
 sys.path[:0] = [".", "tests"]

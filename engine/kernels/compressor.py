@@ -122,8 +122,12 @@ def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, kst_ptr, sst_ptr, store_ptr, slot_
 
 # Channels per program (the pooling splits over channels; the last program of a row norms it):
 # a 128-row HCA window of 512 channels was one program's 16 steps of 8 rows (16 us on the H200,
-# bench/RESULTS.md), now 8 programs of 2 steps.
+# bench/RESULTS.md), now 8 programs of 2 steps. Up to SPLIT_MAX_ROWS rows: bench/decode.py --ab
+# (H200, 2026-12-04, 43 layers, 8k, at a position where every window completes) -0.37 ms a step
+# at 1 row, -0.20 at 16, -0.18 at 64; at 256 rows the split with the other two levers of that run
+# cost +0.45 ms (2,048 programs and their tickets), so larger steps keep one program a row.
 CHANNELS_PER_PROGRAM = 64
+SPLIT_MAX_ROWS = 64
 
 
 def compress_decode(kv, score, ape, kv_state, score_state, store, slots, positions, block_table, block_tokens,
@@ -133,7 +137,7 @@ def compress_decode(kv, score, ape, kv_state, score_state, store, slots, positio
     store [rows, d] (the flat entry pool, written where a window completes), slots [B],
     positions [B, 1], block_table [B, max_blocks], norm_weight [d], cos / sin [B, R/2] fp32 at
     the entry positions (pos // ratio * ratio). sim: SIM_NONE, SIM_FP8 (KV) or SIM_FP4 (indexer).
-    channels: per program (tests; default CHANNELS_PER_PROGRAM)."""
+    channels: per program (tests; default CHANNELS_PER_PROGRAM up to SPLIT_MAX_ROWS rows, else all d)."""
     B, C = kv.shape
     D = store.shape[-1]
     overlap = C == 2 * D
@@ -144,7 +148,7 @@ def compress_decode(kv, score, ape, kv_state, score_state, store, slots, positio
     assert kv.stride(-1) == 1 and score.stride(-1) == 1 and score.dtype == torch.float32
     assert D & (D - 1) == 0 and ratio & (ratio - 1) == 0
     R = 2 * cos.shape[-1]
-    dc = min(D, channels or CHANNELS_PER_PROGRAM)
+    dc = min(D, channels or (CHANNELS_PER_PROGRAM if B <= SPLIT_MAX_ROWS else D))
     # a row's tickets, at zero between launches; per state tensor, since the indexer's compressor
     # runs beside the attention's (step.beside) and each must count its own programs
     tick = scratch(f"compressor.tickets.{kv_state.data_ptr()}", kv.device, max(B, 1), torch.int32, zero=True)
