@@ -17,6 +17,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -90,16 +91,11 @@ def ptxas_report(spec: dict, arch: int = 90) -> dict:
         f.flush()
         err = subprocess.run([str(ptxas), "-v", "--gpu-name", f"sm_{arch}a", f.name, "-o", os.devnull],
                              capture_output=True, text=True, check=True).stderr
-    out = {}
-    for line in err.splitlines():
-        words = line.replace(",", " ").split()
-        for i, w in enumerate(words[1:], 1):
-            if w == "registers":
-                out["registers"] = int(words[i - 1])
-            elif w == "stack" and words[i - 1] == "bytes":
-                out["stack"] = int(words[i - 2])
-            elif w == "spill" and words[i + 1] in ("stores", "loads"):
-                out[f"spill_{words[i + 1]}"] = int(words[i - 2])
+    out = {}      # from ptxas's info lines only (its advisories, e.g. on wgmma, mention registers too)
+    for m in re.finditer(r"Used (\d+) registers", err):
+        out["registers"] = int(m[1])
+    for m in re.finditer(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err):
+        out.update(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]))
     return out
 
 
