@@ -25,6 +25,10 @@ rows print side by side, labelled by variant ("HEAD" and DIR's commit).
 --compiled: also the baseline a user would pick instead, in a subprocess: the torch reference step
 (kernels off, the routed experts dequantised to bf16) under torch.compile and a CUDA graph
 (compile_step), at --compiled-batches (1 and 64), labelled "compiled".
+
+--ab post_mix,attn_splits,...: one lever's before and after in one run on one model: the step is
+captured once more with the lever off (LEVERS: the module constant it reads at launch) and the two
+graphs replay in alternation; "a+b" turns a group off together. --pdl-ab is --ab pdl.
 """
 import argparse
 import contextlib
