@@ -1,17 +1,19 @@
 """The KV compressor's decode step after its two projections, one kernel per step.
 
 The tail of the compressor's decode step (compress_decode_ref below, about 45 small torch ops):
-per sequence row, in one program,
+per sequence row, in d / 64 programs, each owning a slice of the channels (one program a row
+above SPLIT_MAX_ROWS rows),
   1. add the slot's positional bias ape[pos % r] to the gate scores, write the token's kv and
      score into the running state (row off + pos % r; off = r for the overlapping ratio 4);
   2. if this token completes a window: softmax-pool the window per channel (ratio 4: the A
      half of the previous window's rows with the B half of this one's, 2r rows; else the r
-     rows of this window), an online softmax over chunks of rows so a 128-row window of
-     512 channels never sits in registers at once;
-  3. round to the model dtype, RMSNorm, RoPE at the entry's position (cos/sin table), the
-     reference-numerics rounding (FP8 on the non-rope dims, or for indexer keys Hadamard then
-     FP4), and store the entry in its pool row (block table lookup in the kernel);
-  4. ratio 4, on completion: the finished window's rows become the previous window's.
+     rows of this window), an online softmax over chunks of rows; ratio 4: the finished
+     window's rows become the previous window's (each program its own channels);
+  3. each program leaves its pooled channels, rounded to the model dtype, in the entry's pool
+     row (block table lookup in the kernel); the row's last program to arrive (a ticket) reads
+     the row back and does what needs every channel: RMSNorm, RoPE at the entry's position
+     (cos/sin table), the reference-numerics rounding (FP8 on the non-rope dims, or for indexer
+     keys Hadamard then FP4), and stores the entry.
 Rows that complete no window write only their state row (the reference writes its unused
 pooled value to block 0, which nothing reads).
 """
