@@ -160,6 +160,13 @@ class MixPartials:
     K: int
     eps: float
 
+    @staticmethod
+    def buffer(device, C: int, T: int, N: int) -> torch.Tensor:
+        """-> parts [C, T, N + 1] fp32 in the one scratch buffer every mix's partials share (one
+        consumer each, the next mhc_pre, in stream order): the mix GEMM's and mhc_post's."""
+        n = C * T * (N + 1)
+        return scratch("mhc.parts", device, n, torch.float32)[:n].view(C, T, N + 1)
+
 
 def mhc_mix_parts(h, fn_hi, fn_lo=None, norm_eps=1e-6, **plan_kw) -> MixPartials:
     """h [..., hc, D] bf16, fn_hi/fn_lo [N, hc*D] -> MixPartials of the mix of the T = prod(...) rows,
@@ -170,8 +177,7 @@ def mhc_mix_parts(h, fn_hi, fn_lo=None, norm_eps=1e-6, **plan_kw) -> MixPartials
     M, N = a.shape[0], fn_hi.shape[0]
     p = bf16_gemm_plan(max(M, 1), N, K, 1, h.device, **plan_kw)
     assert p.grid[1] == 1, "mhc_mix_parts: N must fit one tile"
-    n = p.split.split * M * (N + 1)
-    parts = scratch("mhc.parts", h.device, n, torch.float32)[:n].view(p.split.split, M, N + 1)
+    parts = MixPartials.buffer(h.device, p.split.split, M, N)
     if M:
         _launch(a[None], fn_hi[None], fn_lo, a[None], norm_eps, True, None, plan_kw, parts=parts)
     return MixPartials(parts, K, norm_eps)

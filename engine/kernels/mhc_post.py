@@ -19,7 +19,7 @@ import triton.language as tl
 
 from engine.numerics import up
 from .bf16_gemm import MixPartials
-from .common import gdc_enter, pdl_args, round_to, scratch
+from .common import gdc_enter, pdl_args, round_to
 
 # Tokens up to which mhc_post also makes the next mix (above: mhc_pre's mix GEMM, on tensor cores,
 # reads fn once for every 64-128 tokens where this reads it once per TB tokens), and the fused
@@ -106,7 +106,7 @@ def mhc_post(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
         block = min(mix_block_d or POST_MIX_BLOCK_D, triton.next_power_of_2(D))
         tb = min(tokens_per_program or POST_MIX_TOKENS, T)
         C = triton.cdiv(D, block)
-        parts = scratch("mhc.parts", res.device, C * T * (N + 1), torch.float32)[:C * T * (N + 1)].view(C, T, N + 1)
+        parts = MixPartials.buffer(res.device, C, T, N)
         _mhc_post_kernel[(triton.cdiv(T, tb), C)](
             f2, r3, p2, c3, o, fn_hi, fn_lo if fn_lo is not None else fn_hi, parts, T, D, f2.stride(0), r3.stride(0),
             r3.stride(1), o.stride(0), o.stride(1), HC=hc, BLOCK_D=block, TB=tb, MIX=True, HAS_LO=fn_lo is not None,
