@@ -202,8 +202,10 @@ def check_route(T, E, k, hashed, dev="cpu", ids_dtype=torch.int64):
     r = gen(dev)
     logits = r(T, E, s=2.0)
     if hashed:
-        kw = dict(tid2eid=torch.stack([torch.randperm(E)[:k] for _ in range(50)]).to(dev),
-                  token_ids=torch.randint(0, 50, (T,)).to(dev))
+        rows = [torch.randperm(E)[:k] for _ in range(50)]
+        if hashed == "dup":           # slots 0 and 2 (and 1 and 3 in every other row) name the same expert
+            rows = [torch.stack((r[0], r[1], r[0], r[1] if i % 2 else r[3])) for i, r in enumerate(rows)]
+        kw = dict(tid2eid=torch.stack(rows).to(dev), token_ids=torch.randint(0, 50, (T,)).to(dev))
     else:
         kw = dict(bias=r(E, s=0.1))
     with poisoned():
@@ -389,6 +391,8 @@ def _cpu_cases():
             for hashed in (False, True):
                 cases[f"route-T{T}-E{E}-k{k}-{'hash' if hashed else 'topk'}"] = (
                     check_route, dict(T=T, E=E, k=k, hashed=hashed, ids_dtype=torch.int32 if E == 12 else torch.int64))
+        # hash rows naming an expert twice: one group of two rows (the one-token sort's `within`)
+        cases[f"route-T{T}-E8-k4-hashdup"] = (check_route, dict(T=T, E=8, k=4, hashed="dup"))
     return cases
 
 
