@@ -28,7 +28,7 @@ CASES = ("mhc_pre-T1-bfloat16", "mhc_pre-T3-bfloat16", "mhc_post-T3-bfloat16", "
 # (test module, interp_* check) of the other kernel files (the default kernel set's)
 CHECKS = (("test_kernel_proj", "interp_proj"), ("test_kernel_fused_moe", "interp_mxfp4"),
           ("test_kernel_fused_moe", "interp_shared"), ("test_kernel_fused_moe", "interp_sum_in_down"),
-          ("test_kernel_fused_moe", "interp_align"),
+          ("test_kernel_fused_moe", "interp_align"), ("test_kernel_fused_moe", "interp_shared_in_down"),
           ("test_kernel_gemm", "interp_bf16"), ("test_kernel_indexer", "interp_scores"),
           ("test_kernel_indexer", "interp_topk"), ("test_kernel_swiglu", "interp_swiglu"))
 

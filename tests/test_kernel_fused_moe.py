@@ -23,6 +23,7 @@ from conftest import rel_err
 from interp import finished, patch_interpreter, started
 from engine.kernels import fused_moe as fm
 from engine.kernels import moe_align as ma
+from engine.kernels.swiglu import swiglu_act_ref
 from engine.model import formats as F
 
 LUT = torch.tensor(F.E2M1_VALUES)
@@ -238,6 +239,50 @@ def interp_shared():
         assert rel_err(got, ref).max().item() <= (1e-2 if dt == torch.bfloat16 else 1e-4)
 
 
+def shared_expert_case(D, T, dt, fp8, limit=10.0, IS=256, device="cpu", seed=0):
+    """The shared expert's (g, u [T,IS], w2 [D,IS], limit, fp8) in dt: fused_moe's shared_expert."""
+    g = torch.Generator().manual_seed(seed)
+    gu = [(torch.randn(T, IS, generator=g) * 2).to(device=device, dtype=dt) for _ in range(2)]
+    w2 = (torch.randn(D, IS, generator=g) / IS ** 0.5).to(device=device, dtype=dt)
+    return (*gu, w2, limit, fp8)
+
+
+def shared_in_down(p, T, k, dt, fp8, seed, limit=10.0):
+    """fused_moe with the shared expert made in its down kernel: alone (routing weights 0) it is the
+    shared expert made apart (swiglu + F.linear) within the dtype's rounding; with the routed
+    experts it is exactly fused_moe(shared=that output), with the slot sum in the down kernel and
+    in _sum_kernel alike."""
+    g = torch.Generator().manual_seed(seed)
+    dev = p.w13.device
+    x = torch.randn(T, p.D, generator=g).to(device=dev, dtype=dt)
+    wt, ids = route(T, k, p.E, "invalid" if seed % 2 else "random", dev, seed)
+    se = shared_expert_case(p.D, T, dt, fp8, limit, device=dev, seed=seed)
+    with poisoned_empty():
+        alone = fm.fused_moe(x, wt * 0, ids, p, 10.0, shared_expert=se)
+    ref = torch.nn.functional.linear(swiglu_act_ref(*se[:2], limit, fp8, dt), se[2]).float()
+    err = rel_err(alone, ref).max().item()
+    assert err <= (1e-2 if dt == torch.bfloat16 else 1e-4), (T, dt, fp8, err)
+    assert torch.equal(alone, alone.to(dt).float())       # rounded once to the model dtype, as F.linear
+    want = fm.fused_moe(x, wt, ids, p, 10.0, shared=alone.to(dt))
+    keep = fm.SUM_IN_DOWN_MAX_T
+    try:
+        for cut in (1 << 30, -1):           # the sum in the down kernel, then apart
+            fm.SUM_IN_DOWN_MAX_T = cut
+            with poisoned_empty():
+                got = fm.fused_moe(x, wt, ids, p, 10.0, shared_expert=se)
+            assert torch.equal(got, want), (T, k, dt, cut)
+    finally:
+        fm.SUM_IN_DOWN_MAX_T = keep
+
+
+def interp_shared_in_down():
+    p, _ = _small("mxfp4")
+    for T, k, dt, fp8 in ((1, 6, torch.bfloat16, True), (3, 2, torch.float32, False), (16, 2, torch.bfloat16, False),
+                          (5, 3, torch.bfloat16, True), (40, 2, torch.bfloat16, True)):
+        shared_in_down(p, T, k, dt, fp8, seed=T)
+    shared_in_down(p, 2, 2, torch.float32, True, seed=7, limit=0.3)            # the clamps bite
+
+
 def sum_both_ways(p, T, k, dt, seed, shared=True):
     """fused_moe with the slot sum in the down kernel's last programs and in _sum_kernel: the same bits."""
     g = torch.Generator().manual_seed(seed)
@@ -264,7 +309,7 @@ def interp_sum_in_down():
 
 
 CHECKS = ["interp_align", "interp_mxfp4", "interp_nvfp4", "interp_uneven", "interp_split", "interp_shared",
-          "interp_sum_in_down"]
+          "interp_sum_in_down", "interp_shared_in_down"]
 
 
 @pytest.fixture(scope="module")
@@ -314,6 +359,16 @@ def test_gpu_fp32_path_and_uneven(fmt):
     check(p, w, 1, 6, device="cuda", seed=3, split_k=1)
     for T in (1, 8, 64):          # the slot sum in the down kernel == _sum_kernel's
         sum_both_ways(p, T, 6, torch.bfloat16, seed=T)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gpu_shared_in_down(fmt):
+    """The shared expert in the down kernel at one rank's real shapes (D 4096, IS 256)."""
+    p, _ = gpu_experts(fmt, "tp")
+    for T, fp8 in ((1, True), (8, False), (64, True)):
+        shared_in_down(p, T, 6, torch.bfloat16, fp8, seed=T)
 
 
 @pytest.mark.gpu

@@ -17,200 +17,37 @@ the router sorts the pairs and the down kernel sums), no host sync (CUDA-graph s
     Small steps (SUM_IN_DOWN_MAX_T): the last program to take a ticket for its 128 hidden rows does 4.
  4. _sum_kernel: a token's k slot rows summed in slot order; ids outside [0, E) (experts on another
     EP rank) are skipped. Tickets only pick which program adds, never the order: deterministic.
+The shared expert's output is added after the routed sum. Small steps (SHARED_IN_DOWN_MAX_T) may
+hand the shared expert's down projection to the down kernel (`shared_expert`): one more program
+row makes SwiGLU of its w1/w3 outputs (rounded as swiglu.py does) and the bf16 GEMM with its w2,
+so neither the SwiGLU launch nor w2's GEMM runs apart (the issue's "seventh expert").
 
-Packed layout (pack_experts): [128 rows, 128 k] tiles of 2048 int32 words, contiguous in K-loop order:
-w13 [E, I/64, D/128, 2048] (tile rows 0-63: w1 rows 64j.., rows 64-127: the same w3 rows) and
-w2 [E, D/128, I/128, 2048]. Word ((half*2 + g)*128 + t)*4 + wr (t = 32 warp + 4 lrow + lk) holds the
-8 nibbles of rows 64 half + 16 warp + 8 r1 + lrow, k = 64 g + 16 wr + 8 r2 + 2 lk + h (r1, r2, h in
-{0,1}): thread t's wgmma A-fragment registers, so its 4 words are one 16-byte load and nothing is
-shuffled. The nibble bits sit (_SIGN_POS/_MAG_POS) where 11 logic ops make four bf16x2 registers of
-e2m1 * 2^-126 (sign -> bit 15, e1 e0 m -> bits 8..6). Scales: one byte per block, [128, 128/SB] per
-tile in thread order [warp, lrow, half, blk, r1]. NVFP4 e4m3 is recoded "e5m3": (b << 4) + 0x7580
-is the bf16 of scale * 2^118 (exact, subnormals too; a zero scale zeroes its nibbles). MXFP4 e8m0
-is shifted per expert so b << 7 is the bf16 of 2^(e8m0 - 127 + 254 - max). The leftovers
-(weight_scale_2 * 2^8, or 2^(max-128)) are alpha [E, 3] (gate, up, down) on the fp32 accumulators.
-e2m1 * scale is exact in bf16: only the activations round before the fp32 accumulation. (MXFP4
-stays exact while an expert's block scales span < 2^126.)
+The experts' packed layout and its decode: moe_pack.py.
 Under TRITON_INTERPRET=1 (CPU tests) the decode runs in plain Triton ops and the math in fp32.
 """
-import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.numerics import E2M1_VALUES, up, up_dtype
+from engine.numerics import fp8_sim_ref, up, up_dtype
 from . import moe_align as ma
-from .common import gdc_enter, pdl_args, interpreting, num_sms, scratch
+from .act_sim import fp8_round_trip
+from .common import gdc_enter, pdl_args, interpreting, num_sms, round_to, scratch
+from .moe_pack import PackedExperts, dequant_experts, pack_experts  # noqa: F401 (their home is moe_pack)
 
 BM_CHOICES = (16, 32, 64)    # routed rows per block (the wgmma N); 16 is the instruction minimum
 # Tokens up to which the down kernel's last program per 128 hidden rows sums the slots itself (no
 # _sum_kernel launch); past it that one program's serial sum would cost more than the launch.
 SUM_IN_DOWN_MAX_T = 64
+# Tokens up to which the shared expert's SwiGLU and down projection run as the down kernel's last
+# program row (fused_moe's `shared_expert`): two launches fewer a layer; past it one program per
+# 128 hidden rows would carry every token. 0: always apart (the model's step reads takes_shared).
+SHARED_IN_DOWN_MAX_T = 64
 _SIGN: tl.constexpr = tl.constexpr(0x80008000)
 _MAG: tl.constexpr = tl.constexpr(0x01C001C0)
-# Per word nibble slot j = 2*q + h (q = r1 + 2*r2): bit of its sign and lowest bit of its e1e0m.
-_SIGN_POS = (15, 31, 14, 30, 13, 29, 9, 25)
-_MAG_POS = (6, 22, 3, 19, 26, 10, 0, 16)
-
-
-# ----------------------------------------------------------------------------- packing (load time)
-
-@functools.lru_cache(maxsize=None)
-def _tile_tables(nb: int):
-    """(word slot -> flat n*128+k [2048, 8], scale byte -> flat n*nb+blk [128*nb]) for one tile."""
-    half, g, t, wr, q, h = torch.meshgrid(*[torch.arange(s) for s in (2, 2, 128, 4, 4, 2)], indexing="ij")
-    warp, lrow, lk = t // 32, (t // 4) % 8, t % 4
-    n = 64 * half + 16 * warp + 8 * (q % 2) + lrow
-    k = 64 * g + 16 * wr + 8 * (q // 2) + 2 * lk + h
-    words = (n * 128 + k).reshape(2048, 8)
-    warp, lrow, half, blk, r1 = torch.meshgrid(*[torch.arange(s) for s in (4, 8, 2, nb, 2)], indexing="ij")
-    scales = ((64 * half + 16 * warp + 8 * r1 + lrow) * nb + blk).reshape(-1)
-    return words, scales
-
-
-def _tiles(m: torch.Tensor, cols: int) -> torch.Tensor:
-    """[E, R, C] -> [E, R/128, C/cols, 128*cols]: 128-row x cols-column tiles, each row-major."""
-    E, R, C = m.shape
-    return m.reshape(E, R // 128, 128, C // cols, cols).permute(0, 1, 3, 2, 4).reshape(E, R // 128, C // cols, -1)
-
-
-def _untiles(t: torch.Tensor, cols: int) -> torch.Tensor:
-    E, RT, CT = t.shape[:3]
-    return t.reshape(E, RT, CT, 128, cols).permute(0, 1, 3, 2, 4).reshape(E, RT * 128, CT * cols)
-
-
-def _bits(device):
-    src, _ = _tile_tables(1)
-    return (src.to(device), torch.tensor(_SIGN_POS, device=device), torch.tensor(_MAG_POS, device=device))
-
-
-def _pack_words(codes: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes [E, R, C] -> int32 words [E, R/128, C/128, 2048]."""
-    src, sign, mag = _bits(codes.device)
-    c = _tiles(codes, 128)[..., src].to(torch.int64)                          # [.., 2048, 8]
-    w = (((c & 7) << mag) | ((c >> 3) << sign)).sum(-1)                        # disjoint bits
-    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
-
-
-def _unpack_words(words: torch.Tensor) -> torch.Tensor:
-    """Inverse of _pack_words -> codes uint8 [E, R, C]."""
-    src, sign, mag = _bits(words.device)
-    w = words.to(torch.int64)[..., None] & 0xFFFFFFFF
-    c = ((w >> mag) & 7) | (((w >> sign) & 1) << 3)                           # [E, RT, CT, 2048, 8]
-    tiles = torch.empty(*words.shape[:3], 128 * 128, dtype=torch.uint8, device=words.device)
-    tiles[..., src.reshape(-1)] = c.reshape(*words.shape[:3], -1).to(torch.uint8)
-    return _untiles(tiles, 128)
-
-
-def _codes(packed: torch.Tensor) -> torch.Tensor:
-    b = packed.view(torch.uint8)
-    return torch.stack((b & 0xF, b >> 4), -1).reshape(*b.shape[:-1], -1)
-
-
-def _recode_scales(proj, fmt: str):
-    """One projection's checkpoint tensors -> (codes [E,R,C], scale bytes [E,R,C/SB], alpha [E])."""
-    if fmt == "nvfp4":
-        w, s, s2 = proj
-        s = s.float()
-        if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
-            raise ValueError("NVFP4 weight_scale must be finite and >= 0")
-        mant, ex = torch.frexp(s)
-        byte = torch.where(s > 0, (ex + 9) * 8 + ((mant * 2 - 1) * 8).round().to(torch.int32), 0)
-        codes = _codes(w) * (s > 0).repeat_interleave(16, -1)                   # zero scale -> zero block
-        alpha = s2.float().reshape(-1).expand(w.shape[0]) * 256.0
-        return codes, byte.to(torch.uint8), alpha
-    w, s = proj
-    b = s.view(torch.uint8).to(torch.int32)
-    if bool((b == 255).any()):
-        raise ValueError("MXFP4 e8m0 scale contains 0xFF (NaN)")
-    bmax = b.flatten(1).amax(1)                                                # [E]
-    byte = (b + (254 - bmax)[:, None, None]).clamp(0, 254)
-    return _codes(w), byte.to(torch.uint8), torch.exp2((bmax - 128).double()).float()
-
-
-@dataclass
-class PackedExperts:
-    """Kernel layout of E experts (see the module docstring). D hidden, I intermediate (per rank)."""
-    fmt: str                # "mxfp4" | "nvfp4"
-    E: int; D: int; I: int  # noqa: E702
-    w13: torch.Tensor      # int32 [E, I/64, D/128, 2048]
-    s13: torch.Tensor      # uint8 [E, I/64, D/128, 128*128/SB]
-    w2: torch.Tensor       # int32 [E, D/128, I/128, 2048]
-    s2: torch.Tensor       # uint8 [E, D/128, I/128, 128*128/SB]
-    alpha: torch.Tensor    # fp32 [E, 3]: gate, up, down accumulator multipliers
-
-    @property
-    def block(self) -> int:
-        return 16 if self.fmt == "nvfp4" else 32
-
-
-_FIELDS = ("w13", "s13", "w2", "s2", "alpha")
-
-
-def pack_experts(w1, w3, w2, fmt: str, chunk: int = 16) -> PackedExperts:
-    """Checkpoint experts -> PackedExperts. Each projection is a tuple of stacked [E, ...] tensors:
-    mxfp4: (weight uint8/int8 [E,out,in/2], scale e8m0 [E,out,in/32]);
-    nvfp4: (weight [E,out,in/2], weight_scale e4m3 [E,out,in/16], weight_scale_2 fp32 [E]).
-    Low nibble = even input column. w1, w3: [E, I, D/2]; w2: [E, D, I/2]. Works on any device,
-    `chunk` experts at a time (the int64 staging is 16x the packed size)."""
-    if fmt not in ("mxfp4", "nvfp4"):
-        raise ValueError(f"fmt must be 'mxfp4' or 'nvfp4', got {fmt!r}")
-    E = w1[0].shape[0]
-    if E > chunk:
-        parts = [pack_experts(*[tuple(t[i:i + chunk] for t in p) for p in (w1, w3, w2)], fmt, chunk)
-                 for i in range(0, E, chunk)]
-        cat = (torch.cat([getattr(q, f) for q in parts]) for f in _FIELDS)
-        return PackedExperts(fmt, E, parts[0].D, parts[0].I, *cat)
-    (c1, b1, a1), (c3, b3, a3), (c2, b2, a2) = (_recode_scales(p, fmt) for p in (w1, w3, w2))
-    E, I, D = c1.shape
-    if D % 128 or I % 128 or c2.shape != (E, D, I) or c3.shape != c1.shape:
-        raise ValueError(f"need w1/w3 [E,I,D], w2 [E,D,I] with D, I multiples of 128; got "
-                         f"{tuple(c1.shape)}, {tuple(c3.shape)}, {tuple(c2.shape)}")
-    nb = 128 // (16 if fmt == "nvfp4" else 32)
-    _, ssrc = _tile_tables(nb)
-
-    def inter(a, b):          # gate/up rows alternate in groups of 64: one tile = 64 gate + 64 up rows
-        return torch.stack((a.reshape(E, I // 64, 64, -1), b.reshape(E, I // 64, 64, -1)), 2).reshape(E, 2 * I, -1)
-
-    def scales(s):
-        return _tiles(s, nb)[..., ssrc.to(s.device)].contiguous()
-
-    return PackedExperts(fmt, E, D, I, _pack_words(inter(c1, c3)), scales(inter(b1, b3)),
-                         _pack_words(c2), scales(b2), torch.stack((a1, a3, a2), 1).float().contiguous())
-
-
-def _scale_values(b: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Stored scale bytes -> the fp64 value of the bf16 scale the kernel builds from them."""
-    b = b.to(torch.float64)
-    if fmt == "mxfp4":
-        return torch.exp2(b - 127)
-    return torch.exp2(torch.floor(b / 8) + 108) * (1 + (b % 8) / 8)
-
-
-def dequant_experts(p: PackedExperts, chunk: int = 16):
-    """PackedExperts -> (w1 [E,I,D], w3 [E,I,D], w2 [E,D,I]) fp32, by the kernel's arithmetic."""
-    if p.E > chunk:
-        cut = lambda i: PackedExperts(p.fmt, min(chunk, p.E - i), p.D, p.I,  # noqa: E731
-                                      *(getattr(p, f)[i:i + chunk] for f in _FIELDS))
-        return tuple(torch.cat(t) for t in zip(*(dequant_experts(cut(i), chunk) for i in range(0, p.E, chunk))))
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=p.w13.device) * 2.0**-126
-    nb = 128 // p.block
-    _, ssrc = _tile_tables(nb)
-
-    def one(words, sc, alpha):
-        s = torch.empty_like(sc)
-        s[..., ssrc.to(sc.device)] = sc
-        s = _scale_values(_untiles(s, nb), p.fmt).repeat_interleave(p.block, -1)
-        return lut[_unpack_words(words).long()] * s * alpha.double()[:, None, None]
-
-    E, I, D = p.E, p.I, p.D
-    g13 = one(p.w13, p.s13, torch.ones(E, device=p.w13.device)).reshape(E, I // 64, 2, 64, D)
-    w1, w3 = (g13[:, :, i].reshape(E, I, D) * p.alpha[:, i, None, None].double() for i in (0, 1))
-    return w1.float(), w3.float(), one(p.w2, p.s2, p.alpha[:, 2]).float()
 
 
 # ----------------------------------------------------------------------------- routing
@@ -370,24 +207,21 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, tw_ptr
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, y_ptr, N, D, I,
                  ids_ptr, sh_ptr, out_ptr, cnt_ptr, T, E, stride_sh,
+                 g_ptr, u_ptr, w2s_ptr, IS, stride_g, stride_u, limit,
                  BM: tl.constexpr, MX: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr,
                  SUM: tl.constexpr, TOPK: tl.constexpr, BT: tl.constexpr, SHARED: tl.constexpr,
+                 SHX: tl.constexpr = 0, SH_FP8: tl.constexpr = False, BTS: tl.constexpr = 16,
                  USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
     b, j = tl.program_id(0), tl.program_id(1)
-    e = tl.load(bexp_ptr + b)
-    if e >= 0:
-        NB: tl.constexpr = 4 if MX else 8
-        KT = I // 128
-        rows = b * BM + tl.arange(0, BM)
-        pair = tl.load(sorted_ptr + rows)
-        ok = pair < N
-        tile = (e * (D // 128) + j).to(tl.int64) * KT
-        acc = _mainloop(w_ptr + tile * 2048, s_ptr + tile * 128 * NB, h_ptr, rows.to(tl.int64) * I, ok,
-                        0, KT, BM, MX, ASM, F32)
-        y = acc * tl.load(alpha_ptr + e * 3 + 2)
-        n = j * 128 + tl.arange(0, 128)
-        tl.store(y_ptr + pair.to(tl.int64)[None, :] * D + n[:, None], y, mask=ok[None, :])
+    if SHX:
+        if b < tl.num_programs(0) - 1:
+            _routed_down(h_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, y_ptr, N, D, I, b, j, BM, MX, ASM, F32)
+        else:           # the shared expert (last program row): its hidden rows j of every token into sh
+            _shared_down(g_ptr, u_ptr, w2s_ptr, sh_ptr, T, IS, stride_g, stride_u, stride_sh, limit, j,
+                         SH_FP8, BTS, F32)
+    else:
+        _routed_down(h_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, y_ptr, N, D, I, b, j, BM, MX, ASM, F32)
     if SUM:
         # Small steps: the last block program (unused blocks too) to finish hidden rows j sums every
         # token's k rows there, as _sum_kernel would, so no launch of its own
@@ -401,10 +235,60 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, y_ptr, N,
 
 
 @triton.jit
+def _routed_down(h_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, y_ptr, N, D, I, b, j,
+                 BM: tl.constexpr, MX: tl.constexpr, ASM: tl.constexpr, F32: tl.constexpr):
+    """y[pair, 128 j:+128] = w2_e[128 j:+128] @ h[row] for block b's pairs (expert e; none if unused)."""
+    e = tl.load(bexp_ptr + b)
+    if e >= 0:
+        NB: tl.constexpr = 4 if MX else 8
+        KT = I // 128
+        rows = b * BM + tl.arange(0, BM)
+        pair = tl.load(sorted_ptr + rows)
+        ok = pair < N
+        tile = (e * (D // 128) + j).to(tl.int64) * KT
+        acc = _mainloop(w_ptr + tile * 2048, s_ptr + tile * 128 * NB, h_ptr, rows.to(tl.int64) * I, ok,
+                        0, KT, BM, MX, ASM, F32)
+        y = acc * tl.load(alpha_ptr + e * 3 + 2)
+        n = j * 128 + tl.arange(0, 128)
+        tl.store(y_ptr + pair.to(tl.int64)[None, :] * D + n[:, None], y, mask=ok[None, :])
+
+
+@triton.jit
+def _shared_down(g_ptr, u_ptr, w_ptr, sh_ptr, T, IS, stride_g, stride_u, stride_sh, limit, j,
+                 FP8: tl.constexpr, BTS: tl.constexpr, F32: tl.constexpr):
+    """sh[t, 128 j:+128] = w2[128 j:+128] @ act(t) for every token, BTS at a time (the routed
+    path's registers suffice): act = SwiGLU of the shared expert's g, u [T, IS] rounded to sh's
+    dtype and, if FP8, to e4m3 per 128 channels (swiglu.py's math); w2 [D, IS] in sh's dtype;
+    fp32 accumulation, rounded once at the store."""
+    ty = sh_ptr.dtype.element_ty
+    n = j * 128 + tl.arange(0, 128)
+    for t0 in range(0, T, BTS):
+        t = t0 + tl.arange(0, BTS)
+        tm = t < T
+        acc = tl.zeros([128, BTS], tl.float32)
+        for k0 in range(0, IS, 128):
+            k = k0 + tl.arange(0, 128)
+            g = tl.load(g_ptr + t[:, None] * stride_g + k[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+            u = tl.load(u_ptr + t[:, None] * stride_u + k[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+            a = round_to(g / (1.0 + tl.exp(-g)) * u, ty)                       # [BTS, 128]
+            if FP8:
+                a = round_to(tl.reshape(fp8_round_trip(tl.reshape(a, (BTS * 128,)), BTS * 128, 128), (BTS, 128)), ty)
+            w = tl.load(w_ptr + n.to(tl.int64)[:, None] * IS + k[None, :])    # [128, 128]
+            if F32:
+                acc = tl.dot(w.to(tl.float32), tl.trans(a), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(a.to(w.dtype)), acc)
+        y = round_to(acc, ty)
+        tl.store(sh_ptr + t.to(tl.int64)[None, :] * stride_sh + n[:, None], y.to(ty), mask=tm[None, :])
+
+
+@triton.jit
 def _sum_rows(y_ptr, ids_ptr, sh_ptr, out_ptr, t, n, T, D, E, stride_sh, TOPK: tl.constexpr,
               SHARED: tl.constexpr, CG: tl.constexpr):
     """out[t, n] = sum over slots s of y[t k + s, n] (ids outside [0, E) skipped), + shared[t, n];
-    CG: y read past L1 (other programs of this launch wrote it)."""
+    CG: y (and shared) read past L1 (other programs of this launch wrote them)."""
     acc = tl.zeros([t.shape[0], n.shape[0]], tl.float32)
     for s in tl.static_range(TOPK):
         e = tl.load(ids_ptr + t * TOPK + s, mask=t < T, other=-1)
@@ -417,7 +301,11 @@ def _sum_rows(y_ptr, ids_ptr, sh_ptr, out_ptr, t, n, T, D, E, stride_sh, TOPK: t
             acc += tl.load(at, mask=m, other=0.0)
     tn = (t < T)[:, None] & (n < D)[None, :]
     if SHARED:      # the shared expert's output, added after the routed sum (the reference's order)
-        acc += tl.load(sh_ptr + t.to(tl.int64)[:, None] * stride_sh + n[None, :], mask=tn, other=0.0).to(tl.float32)
+        at = sh_ptr + t.to(tl.int64)[:, None] * stride_sh + n[None, :]
+        if CG:
+            acc += tl.load(at, mask=tn, other=0.0, cache_modifier=".cg").to(tl.float32)
+        else:
+            acc += tl.load(at, mask=tn, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * D + n[None, :], acc, mask=tn)
 
 
@@ -447,15 +335,35 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return scratch("fused_moe.tickets", device, n, torch.int32, zero=True, min_numel=4096)
 
 
+def takes_shared(T: int, w2: torch.Tensor) -> bool:
+    """Does a step of T tokens hand the shared expert (w2 [D,IS]) to fused_moe (`shared_expert`)?"""
+    return T <= min(SHARED_IN_DOWN_MAX_T, 64) and w2.shape[1] % 128 == 0
+
+
+def _shared_args(shared_expert, T: int, D: int, dtype):
+    """fused_moe's shared_expert -> (g, u, w2 [D,IS], IS, limit, fp8), checked."""
+    g, u, w2, limit, fp8 = shared_expert
+    IS = w2.shape[1]
+    g, u = g.reshape(T, IS), u.reshape(T, IS)
+    if g.stride(-1) != 1 or u.stride(-1) != 1:
+        g, u = g.contiguous(), u.contiguous()
+    if w2.shape != (D, IS) or w2.dtype != dtype or IS % 128 or T > 64:
+        raise ValueError(f"shared_expert: need w2 [{D}, IS % 128 == 0] in {dtype} and at most 64 tokens, got "
+                         f"{tuple(w2.shape)} {w2.dtype}, T = {T}")
+    return g, u, w2.contiguous(), IS, limit if limit > 0 else float("inf"), fp8
+
+
 def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0,
               block_m: int | None = None, split_k: int | None = None, use_asm: bool = True, shared=None,
-              aligned=None, after=None):
+              aligned=None, after=None, shared_expert=None):
     """x [T,D] bf16 (or fp32), topk_weights [T,k] fp32, topk_ids [T,k] int (ids outside [0,E)
     contribute nothing) -> sum_k w * expert(x) [T,D] fp32, plus `shared` [T,D] (the shared
     expert's output, any float dtype) when given. block_m/split_k override moe_config. aligned:
     moe_align's (sorted pair ids, block experts) of topk_ids at moe_config's BLOCK_M, when the
     router made them (router.route's `packed`), else sorted here. after: the stream `shared` is
-    made on (beside the routed experts): the sum waits for it."""
+    made on (beside the routed experts): the sum waits for it. shared_expert: instead of
+    `shared`, (g, u [T,IS], w2 [D,IS] in x's dtype, limit, fp8) of the shared expert for the down
+    kernel to finish (T <= 64): + w2 @ swiglu_act(g, u, limit, fp8) in x's dtype."""
     T, D = x.shape
     k, E, I = topk_ids.shape[1], packed.E, packed.I
     if D != packed.D or x.dtype not in (torch.bfloat16, torch.float32):
@@ -483,31 +391,46 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     if after is not None:
         torch.cuda.current_stream(x.device).wait_stream(after)
-    sh = shared.reshape(T, D) if shared is not None else out
+    if shared_expert is not None:           # the down kernel's last program row makes it
+        g, u, w2s, IS, slimit, sfp8 = _shared_args(shared_expert, T, D, x.dtype)
+        sh = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    else:
+        sh = shared.reshape(T, D) if shared is not None else out
+        g = u = w2s = out
+        IS, slimit, sfp8 = 0, 0.0, False
     if sh.stride(-1) != 1:
         sh = sh.contiguous()
+    has_shared = shared is not None or shared_expert is not None
     ids = topk_ids.contiguous()
     fuse = T <= SUM_IN_DOWN_MAX_T
     tickets = scratch("fused_moe.sum_tickets", x.device, D // 128, torch.int32, zero=True) if fuse else cnt
-    _down_kernel[(nblk, D // 128)](h, packed.w2, packed.s2, packed.alpha, sorted_ids, bexp, y, n, D, I,
-                                   ids, sh, out, tickets, T, E, sh.stride(0),
-                                   BM=bm, MX=mx, ASM=asm, F32=f32, SUM=fuse, TOPK=k, BT=4,
-                                   SHARED=shared is not None, num_warps=4, num_stages=3, **pdl_args())
+    shx = int(shared_expert is not None)
+    _down_kernel[(nblk + shx, D // 128)](h, packed.w2, packed.s2, packed.alpha, sorted_ids, bexp, y, n, D, I,
+                                         ids, sh, out, tickets, T, E, sh.stride(0),
+                                         g, u, w2s, IS, g.stride(0), u.stride(0), slimit,
+                                         BM=bm, MX=mx, ASM=asm, F32=f32, SUM=fuse, TOPK=k, BT=4,
+                                         SHARED=has_shared, SHX=shx, SH_FP8=sfp8,
+                                         num_warps=4, num_stages=3, **pdl_args())
     if not fuse:
         _sum_kernel[(triton.cdiv(T, 4), triton.cdiv(D, 512))](y, ids, sh, out, T, D, E, sh.stride(0),
-                                                              TOPK=k, BT=4, BD=512, SHARED=shared is not None,
+                                                              TOPK=k, BT=4, BD=512, SHARED=has_shared,
                                                               num_warps=4, **pdl_args())
     return out
 
 
 def fused_moe_ref(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0, weights=None,
-                  shared=None, after=None, **_):
+                  shared=None, after=None, shared_expert=None, **_):
     """experts_ref (the model's Experts.forward math) on the dequantized experts, in x's dtype; ids
     outside [0, E) count as weight 0; then + up(shared) when given. weights: dequant_experts(packed),
     if at hand (cached on CPU). after: the stream `shared` is made on: waited for first (fused_moe's
-    contract: a step with the kernel off still runs the shared expert beside)."""
+    contract: a step with the kernel off still runs the shared expert beside). shared_expert: (g,
+    u, w2, limit, fp8), the shared expert's output made here as the model's step makes it apart."""
     if after is not None:
         torch.cuda.current_stream(x.device).wait_stream(after)
+    if shared_expert is not None:      # swiglu.swiglu_act_ref's math, then w2
+        g, u, w2, limit, fp8 = shared_expert
+        a = swiglu(g, u, limit).to(x.dtype)
+        shared = F.linear(fp8_sim_ref(a, 128) if fp8 else a, w2)
     if weights is None:
         weights = getattr(packed, "_dequant", None) or dequant_experts(packed)
         if not x.is_cuda:

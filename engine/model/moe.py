@@ -74,7 +74,7 @@ class Experts(nn.Module):
         codes are re-derived from the weights, which is exact for weights loaded from MXFP4:
         re-deriving a block's power-of-two scale only ever halves it while the codes double,
         which stays on the e2m1 grid. Every expert is checked by dequantising what is packed."""
-        from ..kernels.fused_moe import pack_experts
+        from ..kernels.moe_pack import pack_experts
         from .formats import mxfp4_dequant, mxfp4_quant, nvfp4_dequant
 
         if self.packed is not None:

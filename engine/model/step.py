@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..kernels import Ops
 from ..kernels.compressor import SIM_FP4, SIM_FP8, SIM_NONE
+from ..kernels.fused_moe import takes_shared
 from ..numerics import Numerics, up
 from ..parallel.comm import all_reduce
 from .attention import Attention
@@ -295,14 +296,17 @@ def moe(m: MoE, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, ids: torch.T
     e, s, shared = m.experts, m.shared_experts, None
     packed = e.packed if ops.uses("fused_moe") else None      # the router sorts the pairs for the kernel only
     w, idx, aligned = route(m.gate, x, y.get("gate"), ids.reshape(-1), packed, ops)       # [T,k] fp32, ids
-    if s is not None:            # SwiGLU, rounded for w2's FP8 input in one kernel; w2; added in the MoE sum
+    inline = None                # small steps: the fused MoE's down kernel makes the shared expert's output
+    if s is not None and packed is not None and s.w2.weight is not None and takes_shared(x.shape[0], s.w2.weight):
+        inline = (y["w1"], y["w3"], s.w2.weight, s.limit, num.act_fp8 and s.w2.fp8_gemm)
+    elif s is not None:          # SwiGLU, rounded for w2's FP8 input in one kernel; w2; added in the MoE sum
         act = num.act_fp8 and s.w2.fp8_gemm
         with beside(ops):        # beside the routed experts, which it does not read
             shared = linear(s.w2, ops.swiglu_act(y["w1"], y["w3"], s.limit, act, x.dtype), ops, num, rounded=act)
     if e.packed is not None:     # W4A16: in reference numerics only the input gets the FP8 rounding (block's xa)
         xin = xa if num.act_fp8 and e.quantized else x
-        out = up(ops.fused_moe(xin, w, idx, e.packed, e.limit, shared=shared, aligned=aligned,
-                               after=ops.aux if s is not None else None))       # the sum waits for `shared`
+        out = up(ops.fused_moe(xin, w, idx, e.packed, e.limit, shared=shared, aligned=aligned, shared_expert=inline,
+                               after=ops.aux if shared is not None else None))  # the sum waits for `shared`
     else:                        # the torch experts on the dequantised weights (CPU, small models)
         if s is not None:
             join(ops)
