@@ -7,6 +7,9 @@ route_scale. Replaces the tail of engine.model.moe.Gate.forward (softplus, sqrt,
 gather, sum, divide, multiply). One program per token holds all E scores in registers and
 takes the top k by k rounds of argmax.
 
+One-token steps (decode at batch 1) sort their k pairs in the same program from the ids in
+registers: nothing to wait for, and with k <= BLOCK_M every expert's group is one block.
+
 Ties: among equal (score + bias) values the lowest expert id is taken first (tl.argmax keeps
 the first maximum). torch.topk does not promise an order among ties, so the two agree on
 distinct values only.
@@ -21,6 +24,10 @@ from .common import gdc_enter, pdl_args, scratch
 from .fused_moe import align_plan
 from .moe_align import align_pairs, moe_align_ref
 
+# One-token steps sort their k pairs from the ids in registers (_align_one), no ticket or generic
+# sort; False: the generic path (bench/decode.py's lever).
+ONE_TOKEN_SORT = True
+
 
 @triton.jit
 def _log1p(u):
@@ -34,7 +41,8 @@ def _router_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, w_ptr, id_ptr, E, str
                    stride_tid, route_scale, sorted_ptr, bexp_ptr, cnt_ptr, N, P_MAX, B_MAX,
                    K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                    HASH: tl.constexpr, RENORM: tl.constexpr, ALIGN: tl.constexpr = False, BM: tl.constexpr = 16,
-                   NP: tl.constexpr = 16, EP: tl.constexpr = 16, USE_GDC: tl.constexpr = False):
+                   NP: tl.constexpr = 16, EP: tl.constexpr = 16, ONE: tl.constexpr = False,
+                   USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
@@ -60,13 +68,38 @@ def _router_kernel(logits_ptr, bias_ptr, tid_ptr, tok_ptr, w_ptr, id_ptr, E, str
     km = kk < K
     tl.store(w_ptr + t * K + kk, w * route_scale, mask=km)
     tl.store(id_ptr + t * K + kk, ids.to(id_ptr.dtype.element_ty), mask=km)
-    if ALIGN:
+    if ALIGN and ONE:
+        _align_one(ids, kk, K, E, N, P_MAX, B_MAX, sorted_ptr, bexp_ptr, BM, BLOCK_K)
+    elif ALIGN:
         # the last token's program to take the ticket sorts every pair for the fused MoE (its
         # align kernel's work, no launch of its own)
         tl.debug_barrier()                                    # every thread's ids precede the ticket
         if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
             align_pairs(id_ptr, sorted_ptr, bexp_ptr, N, E, P_MAX, B_MAX, BM, NP, EP, True)
             tl.store(cnt_ptr, 0)                              # re-armed for the next call / replay
+
+
+@triton.jit
+def _align_one(ids, kk, K, E, N, P_MAX, B_MAX, sorted_ptr, bexp_ptr, BM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """align_pairs for one token's K <= BM pairs, from its ids in registers (no ticket, no reload,
+    no histogram or sort): every expert's group fits one block, so pair i goes to row
+    BM * (distinct experts below its own) + (earlier pairs of its expert), as moe_align_ref puts it."""
+    key = tl.where((kk < K) & (ids >= 0) & (ids < E), ids, E)                          # [BK]; E: not placed
+    ki, kj = key[:, None], key[None, :]
+    ii, jj = kk[:, None], kk[None, :]
+    within = tl.sum(((kj == ki) & (jj < ii)).to(tl.int32), axis=1)                    # rank in its group
+    first = within == 0
+    below = tl.sum((first[None, :] & (kj < ki)).to(tl.int32), axis=1)                 # distinct experts below
+    placed = key < E
+    dest = below * BM + within
+    r = tl.arange(0, BLOCK_K * BM)                                                    # >= P_MAX rows
+    hit = (r[:, None] == dest[None, :]) & placed[None, :]
+    pair = tl.sum(tl.where(hit, jj, 0), axis=1)
+    tl.store(sorted_ptr + r, tl.where(tl.sum(hit.to(tl.int32), axis=1) > 0, pair, N), mask=r < P_MAX)
+    b = kk                                                                            # >= B_MAX blocks
+    bh = (b[:, None] == below[None, :]) & (placed & first)[None, :]
+    e = tl.sum(tl.where(bh, kj, 0), axis=1)
+    tl.store(bexp_ptr + b, tl.where(tl.sum(bh.to(tl.int32), axis=1) > 0, e, -1), mask=b < B_MAX)
 
 
 def route(logits: torch.Tensor, k: int, route_scale: float, bias: torch.Tensor | None = None,
@@ -92,8 +125,9 @@ def route(logits: torch.Tensor, k: int, route_scale: float, bias: torch.Tensor |
         bm, P, B, NP, EP = plan
         aligned = (torch.empty(P, dtype=torch.int32, device=logits.device),
                    torch.empty(B, dtype=torch.int32, device=logits.device))
-        align_kw = dict(ALIGN=True, BM=bm, NP=NP, EP=EP)
-        cnt = scratch("router.align_ticket", logits.device, 1, torch.int32, zero=True)
+        one = T == 1 and k <= bm and ONE_TOKEN_SORT
+        align_kw = dict(ALIGN=True, BM=bm, NP=NP, EP=EP, ONE=one)
+        cnt = scratch("router.align_ticket", logits.device, 1, torch.int32, zero=True) if not one else w
     else:
         P = B = 0
         align_kw, cnt = {}, w
