@@ -233,6 +233,7 @@ LEVERS = {
     "compress_split": ("engine.kernels.compressor", "CHANNELS_PER_PROGRAM", 1 << 30),  # one program a row
     "shared_in_down": ("engine.kernels.fused_moe", "SHARED_IN_DOWN_MAX_T", 0),  # SwiGLU + w2 apart, beside
     "router_one": ("engine.kernels.router", "ONE_TOKEN_SORT", False),       # one token: the generic pair sort
+    "head_kernel": ("engine.kernels.mhc_pre", "HEAD_KERNEL", False),        # the head's torch ops
 }
 
 

@@ -24,7 +24,7 @@ _spec.loader.exec_module(regs)
 CASES = ("mhc_pre-T1-bfloat16", "mhc_pre-T3-bfloat16", "mhc_post-T3-bfloat16", "mhc_post_mix-T3-bfloat16",
          "sinkhorn-T7", "compressor-r4-bfloat16", "compressor-r16-bfloat16", "rms_norm-T1-D64-bfloat16",
          "rope_q-bfloat16", "rope-T3-bfloat16", "act_sim-fp8-b128-T1", "act_sim-fp4-b32-T1",
-         "route-T1-E16-k3-topk", "route-T3-E8-k4-hashdup")
+         "route-T1-E16-k3-topk", "route-T3-E8-k4-hashdup", "mhc_head-T3-bfloat16")
 # (test module, interp_* check) of the other kernel files (the default kernel set's)
 CHECKS = (("test_kernel_proj", "interp_proj"), ("test_kernel_fused_moe", "interp_mxfp4"),
           ("test_kernel_fused_moe", "interp_shared"), ("test_kernel_fused_moe", "interp_sum_in_down"),

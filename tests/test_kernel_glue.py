@@ -25,7 +25,7 @@ from engine.kernels.bf16_gemm import split_bf16  # noqa: E402
 from engine.kernels.act_sim import fp4_sim, fp4_sim_ref, fp8_sim, fp8_sim_ref  # noqa: E402
 from engine.numerics import fp8_codes_ref  # noqa: E402
 from engine.kernels.mhc_post import POST_MIX_BLOCK_D, POST_MIX_MAX_T, mhc_post, mhc_post_ref  # noqa: E402
-from engine.kernels.mhc_pre import ROLES_MAX_T, mhc_pre, mhc_pre_ref  # noqa: E402
+from engine.kernels.mhc_pre import ROLES_MAX_T, mhc_head, mhc_head_ref, mhc_pre, mhc_pre_ref  # noqa: E402
 from engine.kernels.rope_kv import rope_qkv, rope_qkv_ref  # noqa: E402
 from engine.kernels.router import route, route_ref  # noqa: E402
 from engine.kernels.fused_moe import align_plan  # noqa: E402
@@ -169,6 +169,27 @@ def check_mhc_post_mix(T, dtype, D=96, dev="cpu", tb=None, block_d=32, lo=True):
         y, m = mhc_post(f, res, post, comb, mix=(hi, lo_, 1e-6), tokens_per_program=tb, mix_block_d=block_d)
         return y, m.parts.clone()
     return run
+
+
+def check_mhc_head(T, dtype, D=96, dev="cpu", block_d=32):
+    """mhc_head (the head's collapse and final norm) against its reference, mixing itself and
+    from the partials a mhc_post left (the step's decode head): the same bits both ways."""
+    r = gen(dev)
+    f, res = r(T, D).to(dtype), r(T, 4, D).to(dtype)
+    post, comb = 2 * torch.sigmoid(r(T, 4)), sinkhorn_ref(r(T, 4, 4), 20, 1e-6)
+    hi, lo = split_bf16(r(4, 4 * D, s=0.6 / (4 * D) ** 0.5))
+    rest = (1 + r(1, s=0.1), r(4, s=0.5), (1 + r(D, s=0.05)).to(dtype), 1e-6, 1e-6)
+    with poisoned():
+        h = mhc_post(f, res, post, comb)
+        alone = mhc_head(h, hi, lo, *rest)
+        h2, mix = mhc_post(f, res, post, comb, mix=(hi, lo, 1e-6), mix_block_d=block_d)
+        assert torch.equal(h2, h) and mix.parts.shape[1:] == (T, 5)
+        given = mhc_head(h2, hi, lo, *rest, mix=mix)
+    want = mhc_head_ref(h, hi, lo, *rest)
+    assert alone.shape == want.shape == (T, D) and alone.dtype == dtype
+    close(alone, want, tol_for(dtype, dev))
+    close(given, want, tol_for(dtype, dev))
+    return lambda: mhc_head(h, hi, lo, *rest)
 
 
 def check_rope(T, dtype, table, fp8, H=3, DH=64, R=16, fb=16, W=8, dev="cpu", max_pos=4096):
@@ -379,6 +400,7 @@ def _cpu_cases():
             cases[f"mhc_post-T{T}-{n}"] = (check_mhc_post, dict(T=T, dtype=dt, inplace=T == 3))
             cases[f"mhc_post_mix-T{T}-{n}"] = (check_mhc_post_mix, dict(T=T, dtype=dt, tb={1: None, 3: 2, 7: 4}[T],
                                                                         lo=T != 7))
+            cases[f"mhc_head-T{T}-{n}"] = (check_mhc_head, dict(T=T, dtype=dt, D={1: 96, 3: 256, 7: 64}[T]))
             for table in (True, False):
                 for fp8 in (False, True):
                     cases[f"rope-T{T}-{n}-{'table' if table else 'inkernel'}-{'fp8' if fp8 else 'nofp8'}"] = (
@@ -529,6 +551,7 @@ def test_gpu_mhc(T):
     graph_equals_eager(check_mhc_post(T, BF16, D=4096, dev="cuda", block_d=512))
     if T <= POST_MIX_MAX_T:
         graph_equals_eager(check_mhc_post_mix(T, BF16, D=4096, dev="cuda", block_d=None))
+        graph_equals_eager(check_mhc_head(T, BF16, D=4096, dev="cuda", block_d=None))
     check_mhc_pre(T, BF16, D=4096, dev="cuda", out=True)
     check_mhc_post(T, BF16, D=4096, dev="cuda", inplace=True, block_d=512)
     check_mhc_post(T, BF16, D=4096, dev="cuda", block_d=512, f_dtype=torch.float32)

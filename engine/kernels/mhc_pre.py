@@ -29,6 +29,8 @@ from .sinkhorn import sinkhorn_ref as sinkhorn, sinkhorn_tile
 # mix + pre, graph replay, 8 layers' weights): 1.2-1.3 us faster per call at 1-64 tokens, 1.5-2.6 us
 # slower at 256 (twice the programs, half of them Sinkhorn's few floats).
 ROLES_MAX_T = 64
+# The model's head (mhc_head) through the kernel; False: its torch math, the step's lever
+HEAD_KERNEL = True
 
 
 @triton.jit
@@ -44,10 +46,9 @@ def _mix_at(m, offs, C, stride_c, BLOCK_C: tl.constexpr, TWO_D: tl.constexpr):
 
 
 @triton.jit
-def _load_post_comb(m, C, stride_c, scale_ptr, base_ptr, HC: tl.constexpr, BLOCK_C: tl.constexpr):
+def _load_post_comb(m, C, stride_c, scale_ptr, base_ptr, HC: tl.constexpr, N: tl.constexpr, BLOCK_C: tl.constexpr):
     """What post and comb of one token are made of: the sum of squares, the mix dots (summed over
     the C splits of its partials row m), the scales and bases."""
-    N: tl.constexpr = (2 + HC) * HC
     cc = tl.arange(0, BLOCK_C)
     k = tl.arange(0, HC)
     jk = k[:, None] * HC + k[None, :]                                                     # [HC,HC]
@@ -71,10 +72,9 @@ def _post_comb(ss, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, post_
 
 @triton.jit
 def _load_collapse(m, C, stride_c, scale_ptr, base_ptr, h_ptr, w_ptr, D, stride_ht, stride_hj, t,
-                   HC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+                   HC: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
     """What y of one token is made of: the sum of squares, the pre dots, its streams h [HC,D], the
     norm weight, scale and bases."""
-    N: tl.constexpr = (2 + HC) * HC
     cc = tl.arange(0, BLOCK_C)
     k = tl.arange(0, HC)
     d = tl.arange(0, BLOCK_D)
@@ -120,35 +120,36 @@ def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, xa_ptr, 
                     D, stride_ht, stride_hj, stride_yt, hc_eps, norm_eps, C, K, mix_eps,
                     HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
                     ROLES: tl.constexpr, ACT: tl.constexpr, CODES: tl.constexpr, ROLE: tl.constexpr = -1,
-                    USE_GDC: tl.constexpr = False):
+                    NMIX: tl.constexpr = 0, USE_GDC: tl.constexpr = False):
     # ROLES = 2, two programs per token: (t, 0) collapses the streams and norms them, (t, 1) derives
     # post and comb, so Sinkhorn's 20 rounds of dependent reductions run beside the collapse, not
     # before it (small steps, where the kernel's latency is the cost); ROLE = 0 or 1: this launch
     # is only that role (mhc_pre's `side`: the two launched on two streams). ROLES = 1: one program
     # does both, every load first: the stores may alias them as far as the compiler knows, so a
-    # load placed after a store waits for it
+    # load placed after a store waits for it. NMIX: the mix's width when not (2 + HC) * HC (the
+    # head's collapse, mhc_head: HC pre weights only, ROLE = 0)
     gdc_enter(USE_GDC)
     t = tl.program_id(0)
-    N: tl.constexpr = (2 + HC) * HC
+    N: tl.constexpr = NMIX if NMIX > 0 else (2 + HC) * HC
     stride_c = tl.num_programs(0) * (N + 1)
     m = part_ptr + t * (N + 1)                  # partials row: pre [HC], post [HC], comb [HC*HC], sum of squares
     if ROLES == 1:
         ss, mix_pre, h, w, s0, b_pre = _load_collapse(m, C, stride_c, scale_ptr, base_ptr, h_ptr, w_ptr, D,
-                                                      stride_ht, stride_hj, t, HC, BLOCK_D, BLOCK_C)
+                                                      stride_ht, stride_hj, t, HC, N, BLOCK_D, BLOCK_C)
         ss2, mix_post, mix_comb, s1, s2, b_post, b_comb = _load_post_comb(m, C, stride_c, scale_ptr, base_ptr,
-                                                                          HC, BLOCK_C)
+                                                                          HC, N, BLOCK_C)
         _post_comb(ss2, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, post_ptr, comb_ptr, t, hc_eps,
                    HC, ITERS)
         _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, xq_ptr, xs_ptr, D, stride_yt, t, hc_eps,
                   norm_eps, HC, BLOCK_D, ACT, CODES)
     elif (tl.program_id(1) if ROLE < 0 else ROLE) == 0:
         ss, mix_pre, h, w, s0, b_pre = _load_collapse(m, C, stride_c, scale_ptr, base_ptr, h_ptr, w_ptr, D,
-                                                      stride_ht, stride_hj, t, HC, BLOCK_D, BLOCK_C)
+                                                      stride_ht, stride_hj, t, HC, N, BLOCK_D, BLOCK_C)
         _collapse(ss, mix_pre, h, w, s0, b_pre, K, mix_eps, y_ptr, xa_ptr, xq_ptr, xs_ptr, D, stride_yt, t, hc_eps,
                   norm_eps, HC, BLOCK_D, ACT, CODES)
     else:
         ss2, mix_post, mix_comb, s1, s2, b_post, b_comb = _load_post_comb(m, C, stride_c, scale_ptr, base_ptr,
-                                                                          HC, BLOCK_C)
+                                                                          HC, N, BLOCK_C)
         _post_comb(ss2, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, post_ptr, comb_ptr, t, hc_eps,
                    HC, ITERS)
 
@@ -228,6 +229,43 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
     if out is not None:
         return out
     return y.view(*lead, D), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
+def mhc_head(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, scale: torch.Tensor,
+             base: torch.Tensor, norm_weight: torch.Tensor, hc_eps: float, norm_eps: float, mix=None) -> torch.Tensor:
+    """The model's head before its logits GEMM: h [...,hc,D], the head's mix weight fn_hi (+ fn_lo)
+    [hc, hc*D] bf16, scale [1], base [hc] -> RMSNorm(sum_j pre_j h_j) [...,D] in h's dtype, pre =
+    sigmoid(mix * scale + base) + hc_eps (hc_head, then the final norm): the collapse of mhc_pre's
+    kernel with a mix of hc pre weights only. mix: its MixPartials (the last mhc_post made them),
+    else the mix GEMM here. HEAD_KERNEL False: mhc_head_ref (the step's lever)."""
+    if not HEAD_KERNEL:
+        return mhc_head_ref(h, fn_hi, fn_lo, scale, base, norm_weight, hc_eps, norm_eps)
+    hc, D = h.shape[-2:]
+    assert hc & (hc - 1) == 0 and fn_hi.shape == (hc, hc * D)
+    lead = h.shape[:-2]
+    h3 = h.reshape(-1, hc, D)
+    T = h3.shape[0]
+    assert h3.stride(-1) == 1
+    y = torch.empty(T, D, dtype=h.dtype, device=h.device)
+    if T:
+        if mix is None:
+            mix = mhc_mix_parts(h3, fn_hi, fn_lo, norm_eps)                         # [C, T, hc+1]
+        assert mix.parts.shape[1:] == (T, hc + 1) and mix.K == hc * D
+        C = mix.parts.shape[0]
+        block = triton.next_power_of_2(D)
+        _mhc_pre_kernel[(T, 1)](mix.parts, scale.float().contiguous(), base.float().contiguous(), h3,
+                                norm_weight.contiguous(), y, y, y, y, y, y, D, h3.stride(0), h3.stride(1), D, hc_eps,
+                                norm_eps, C, mix.K, norm_eps, HC=hc, ITERS=0, BLOCK_D=block,
+                                BLOCK_C=triton.next_power_of_2(C), ROLES=2, ACT=False, CODES=False, ROLE=0, NMIX=hc,
+                                num_warps=min(16, max(1, block // 512)), **pdl_args())
+    return y.view(*lead, D)
+
+
+def mhc_head_ref(h, fn_hi, fn_lo, scale, base, norm_weight, hc_eps, norm_eps, mix=None):
+    """Torch reference: engine.model.mhc.hc_head's lines (its mix, mhc_mix_ref), then the final
+    rms_norm, as the model's logits() runs them."""
+    pre = torch.sigmoid(mhc_mix_ref(h, fn_hi, fn_lo, norm_eps) * scale + base) + hc_eps
+    return rms_norm((pre[..., None] * up(h)).sum(-2).to(h.dtype), norm_weight, norm_eps)
 
 
 def mhc_pre_ref(h, fn_hi, fn_lo, scale, base, norm_weight, iters, hc_eps, norm_eps, out=None, act_out=None,

@@ -10,7 +10,8 @@ from .config import ModelConfig
 from .linear import Embedding, Linear
 from .mhc import hc_head
 from ..kernels import Ops
-from ..kernels.bf16_gemm import bf16_gemm_ref
+from ..kernels import mhc_pre as mhc_pre_kernel
+from ..kernels.bf16_gemm import bf16_gemm_ref, split_bf16
 from ..kernels.common import pdl_for_step
 from ..numerics import Numerics
 from . import projections, step
@@ -40,6 +41,7 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList(MTPBlock(cfg, dtype=dtype) for _ in range(cfg.n_mtp_layers if with_mtp else 0))
         self.numerics = Numerics.of("plain")
         self.ops = Ops.select("cpu", dtype, "none")    # the references until prepare_kernels
+        self.head_split = None                          # the head's mix weight as bf16 hi + lo (kernels)
         self.packed_for = None     # (numerics, ops) the packed projections were built for
 
     def set_numerics(self, mode: str) -> "Transformer":
@@ -97,6 +99,7 @@ class Transformer(nn.Module):
                 m.nvfp4_parts = None
         for layer in self.layers:
             layer.prepare_mix(self.ops.uses("mhc"))
+        self.head_split = split_bf16(self.hc_head_fn) if self.ops.uses("mhc") else None
         self.pack_projections()
         log.info("kernels on %s: %s", device, ",".join(sorted(self.ops.kernels)) or "none")
         self.log_moe_paths()
@@ -133,6 +136,21 @@ class Transformer(nn.Module):
         y = self.norm(hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base,
                               self.cfg.hc_eps, self.cfg.norm_eps))
         return self.head_logits(y)
+
+    def step_logits(self, h: torch.Tensor, mix=None) -> torch.Tensor:
+        """The step's head (engine.model.step): logits() with the streams' collapse and the final
+        norm in one op (ops.mhc_head). mix: the head's mix partials, left by the last mhc_post."""
+        fn_hi, fn_lo = self.head_split or (self.hc_head_fn, None)
+        y = self.ops.mhc_head(h, fn_hi, fn_lo, self.hc_head_scale, self.hc_head_base, self.norm.weight,
+                              self.cfg.hc_eps, self.cfg.norm_eps, mix=mix)
+        return self.head_logits(y)
+
+    def head_mix(self):
+        """-> (fn_hi, fn_lo, eps) of the head's mix for the last mhc_post to make (decode steps), or
+        None where the head mixes itself (the reference; mhc_pre.HEAD_KERNEL off)."""
+        if self.head_split is None or not mhc_pre_kernel.HEAD_KERNEL:
+            return None
+        return (*self.head_split, self.cfg.norm_eps)
 
     def head_logits(self, y: torch.Tensor) -> torch.Tensor:
         # vocab-parallel head: each rank's slice of the logits, gathered in rank order. fp32 logits

@@ -42,18 +42,21 @@ def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) 
     ops, num = model.ops, model.numerics
     h = model.embed(inp.ids)[:, :, None, :].expand(-1, -1, model.cfg.hc_mult, -1).contiguous()   # [B,S,hc,D]
     mix, layers = None, list(model.layers)
+    head_mix = model.head_mix() if inp.decode else None     # prefill's head reads only some rows
     for i, (layer, cache) in enumerate(zip(layers, caches)):
-        h, mix = block(layer, h, inp, cache, ops, num, mix, layers[i + 1] if i + 1 < len(layers) else None)
+        nxt = next_mix(layers[i + 1], "attn") if i + 1 < len(layers) else head_mix
+        h, mix = block(layer, h, inp, cache, ops, num, mix, nxt)
     if not inp.decode:
-        return model.logits(h[0, inp.logit_tokens(all_logits)])                            # [L,V]
-    return model.logits(h if all_logits else h[:, -1])
+        return model.step_logits(h[0, inp.logit_tokens(all_logits)])                       # [L,V]
+    return model.step_logits(h if all_logits else h[:, -1], mix)
 
 
 def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Ops, num: Numerics,
-          mix=None, nxt: Block | None = None):
+          mix=None, nxt=None):
     """h [B,S,hc,D] (and its attention mix, when the previous block's mhc_post made it) -> h [B,S,hc,D]
-    and the next block's attention mix (or None): attention, then MoE, each wrapped in mHC. Each
-    mhc_post also makes the mix of the mhc_pre that reads its streams next (small steps, kernels)."""
+    and the mix of what reads it next (or None): attention, then MoE, each wrapped in mHC. Each
+    mhc_post also makes the mix of the mhc_pre that reads its streams next (small steps, kernels):
+    nxt = (fn_hi, fn_lo, eps) of the next block's attention mix or the head's, or None."""
     T = h.shape[0] * h.shape[1]
     attn = b.proj["attn"]
     x, xa, xq, post, comb = hc_pre(b, h, "attn", ops, attn.n_act > 0, takes_codes(attn, T), mix)   # x [B,S,D] normed
@@ -65,9 +68,9 @@ def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Op
     act = ffn is not None and ffn.n_act > 0 or e.packed is not None and num.act_fp8 and e.quantized
     x, xa, xq, post, comb = hc_pre(b, h, "ffn", ops, act, takes_codes(ffn, T), mix)
     f = moe(b.ffn, x, xa, xq, ffn, inp.ids, ops, num)
-    if nxt is None:             # the last block: the head's mHC reads the streams
+    if nxt is None:             # no mix for what reads the streams next (the head mixes itself)
         return ops.mhc_post(f, h, post, comb, after=ops.side), None
-    return ops.mhc_post(f, h, post, comb, after=ops.side, mix=next_mix(nxt, "attn"))
+    return ops.mhc_post(f, h, post, comb, after=ops.side, mix=nxt)
 
 
 def next_mix(b: Block, name: str):
