@@ -102,6 +102,7 @@ def configs():
         yield f"HEAD_TILE={ht}", {"HEAD_TILE": ht}, None
     for mk in (32, 64):
         yield f"MIN_KEYS_PER_SPLIT={mk}", {"MIN_KEYS_PER_SPLIT": mk}, None
+    yield "BLOCK_N=64, MIN_KEYS_PER_SPLIT=64", {"BLOCK_N": 64, "MIN_KEYS_PER_SPLIT": 64}, None   # one 64-key tile a split
     yield "PROGRAMS_PER_SM=4", {"PROGRAMS_PER_SM": 4}, None
     for st in (1, 3):
         yield f"NUM_STAGES={st}", {"NUM_STAGES": st}, None
