@@ -52,6 +52,7 @@ import torch  # noqa: E402
 from decode_grid import (init_random, real_dict, round_experts_mxfp4, round_experts_nvfp4,  # noqa: E402
                          round_fp8_linears, unpacked_experts)
 from decode_rows import classify, format_row, make_row, side_by_side, HEADER  # noqa: E402
+from levers import LEVERS, lever_off  # noqa: E402
 from timing import graphed  # noqa: E402
 
 from engine.cache import KVCache  # noqa: E402
@@ -226,40 +227,6 @@ def average_step(replay, positions, ctx_len: int, n: int) -> float:
     return statistics.mean(times)
 
 
-# Levers that are a module constant read at launch: (module, name, value that turns it off)
-LEVERS = {
-    "post_mix": ("engine.kernels.mhc_post", "POST_MIX_MAX_T", 0),           # mhc_pre's mix GEMM instead
-    "attn_splits": ("engine.kernels.sparse_attn", "MIN_KEYS_PER_SPLIT", 128),  # the earlier split plan
-    "compress_split": ("engine.kernels.compressor", "CHANNELS_PER_PROGRAM", 1 << 30),  # one program a row
-    "shared_in_down": ("engine.kernels.fused_moe", "SHARED_IN_DOWN_MAX_T", 0),  # SwiGLU + w2 apart, beside
-    "router_one": ("engine.kernels.router", "ONE_TOKEN_SORT", False),       # one token: the generic pair sort
-    "head_kernel": ("engine.kernels.mhc_pre", "HEAD_KERNEL", False),        # the head's torch ops
-}
-
-
-@contextlib.contextmanager
-def lever_off(name: str):
-    """Launches inside with one of this tree's levers off (graphs captured inside keep it off):
-    pdl (programmatic dependent launch) or one of LEVERS."""
-    from importlib import import_module
-
-    from engine.kernels import common
-
-    if name == "pdl":
-        common.set_pdl(False)
-        undo = lambda: common.set_pdl(None)
-    elif name in LEVERS:
-        module, attr, off = LEVERS[name]
-        mod = import_module(module)
-        keep = getattr(mod, attr)
-        setattr(mod, attr, off)
-        undo = lambda: setattr(mod, attr, keep)
-    else:
-        raise ValueError(f"unknown lever {name!r}: pdl, {', '.join(LEVERS)}")
-    try:
-        yield
-    finally:
-        undo()
 
 
 def ab(run, replay_on, ctx_len, B, levers: str, rounds=5) -> dict:

@@ -2,7 +2,7 @@
 
     python bench/prefill.py [--simulate-tp 8] [--model DIR] [--num-layers K] [--workloads 8192x1,1024x8]
                             [--chunk-size 512,8192] [--max-num-batched-tokens 8192] [--reps 3] [--json PATH]
-                            [--by-kernel N] [--proj-before]
+                            [--by-kernel N] [--proj-before] [--ab LEVER,LEVER+LEVER]
     python bench/prefill.py --device cpu --num-layers 2 --workloads 32x1,16x2 --reps 1   # smoke run
 
 LLM(simulate_tp=N) builds one rank of TP=N with random weights in the real packed formats, at
@@ -41,6 +41,7 @@ sys.path.append(str(HERE))   # bench/timing.py; appended: bench/kernels.py must 
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
+from levers import LEVERS, lever_off  # noqa: E402
 from engine.model.model import Transformer  # noqa: E402
 
 
@@ -158,22 +159,31 @@ def format_row(r: dict) -> str:
             f"{r['of_roofline']:>10.1%}")
 
 
-VARIANTS = ("default", "proj kernel")
 
 
 @contextlib.contextmanager
 def proj_variant(variant: str):
     """"proj kernel": the packed projections as before prefill's plans (the decode-size kernel plan
-    at every M, no per-projection cuBLAS), for a before/after in one run (--proj-before)."""
+    at every M, no per-projection cuBLAS), for a before/after in one run (--proj-before); "off:
+    a+b": levers.py's levers a and b off (--ab); "default": as the tree is."""
     from engine.kernels import proj_gemm as pg
 
     saved = pg.LARGE_M, pg.UNFUSED_M
     if variant == "proj kernel":
         pg.LARGE_M = pg.UNFUSED_M = 1 << 62
     try:
-        yield
+        with contextlib.ExitStack() as stack:
+            for name in variant.removeprefix("off: ").split("+") if variant.startswith("off: ") else ():
+                stack.enter_context(lever_off(name))
+            yield
     finally:
         pg.LARGE_M, pg.UNFUSED_M = saved
+
+
+def variants(args) -> list[str]:
+    """The default, then --proj-before's variant, then one per --ab group of levers."""
+    return (["default"] + (["proj kernel"] if args.proj_before else [])
+            + [f"off: {g}" for g in args.ab.split(",") if g])
 
 
 def parse_args(argv=None):
@@ -195,6 +205,9 @@ def parse_args(argv=None):
     ap.add_argument("--json", default=None, metavar="PATH", help="write the run info and rows")
     ap.add_argument("--proj-before", action="store_true",
                     help="also time each workload with the packed projections' previous plans (before/after)")
+    ap.add_argument("--ab", default="", metavar="LEVERS",
+                    help="also time each workload with levers off (bench/levers.py: " + ", ".join(LEVERS) +
+                         ", pdl; a comma list, '+' joins a group): before and after in one run")
     ap.add_argument("--by-kernel", type=int, default=0, metavar="N",
                     help="then profile one run of the first workload: device time against wall, N kernels by name")
     args = ap.parse_args(argv)
@@ -206,6 +219,9 @@ def parse_args(argv=None):
         ap.error("--chunk-size values must be in [1, --max-num-batched-tokens]")
     if args.reps < 1:
         ap.error("--reps must be >= 1")
+    unknown = {n for g in args.ab.split(",") for n in g.split("+") if n} - set(LEVERS) - {"pdl"}
+    if unknown:
+        ap.error(f"--ab: unknown levers {sorted(unknown)}; choose from pdl, {', '.join(LEVERS)}")
     return args
 
 
@@ -249,11 +265,11 @@ def main(argv=None) -> int:
             llm.engine.scheduler.chunk_size = chunk
             print(f"chunk {chunk} tokens of one prompt per step\n{HEADER}")
             for length, count in args.workloads:
-                for variant in VARIANTS if args.proj_before else ("default",):
+                for variant in variants(args):
                     with proj_variant(variant):
                         rows.append(dict(chunk_size=chunk, variant=variant,
                                          **measure(llm, length, count, args, rng, 2 * active, peak)))
-                    print(format_row(rows[-1]) + (f"  {variant}" if args.proj_before else ""), flush=True)
+                    print(format_row(rows[-1]) + ("" if variant == "default" else f"  {variant}"), flush=True)
         if args.by_kernel and args.device.type == "cuda":
             profile_run(llm, *args.workloads[0], rng, args.by_kernel)
     finally:

@@ -132,13 +132,17 @@ def test_bench_prefill_smoke(tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "prefill.json"
     assert bench.main(["--device", "cpu", "--num-layers", "1", "--workloads", "24x1,8x2", "--reps", "1",
-                       "--chunk-size", "16", "--json", str(out)]) == 0
+                       "--chunk-size", "16", "--json", str(out), "--ab", "moe_rows_bf16"]) == 0
     res = json.loads(out.read_text())
     assert res["run"]["simulate_tp"] == 2 and res["run"]["active_params"] > 0
-    assert [(r["workload"], r["tokens"]) for r in res["rows"]] == [("24x1", 24), ("8x2", 16)]
+    assert [(r["workload"], r["tokens"], r["variant"]) for r in res["rows"]] == [
+        ("24x1", 24, "default"), ("24x1", 24, "off: moe_rows_bf16"), ("8x2", 16, "default"),
+        ("8x2", 16, "off: moe_rows_bf16")]                  # each lever's before and after in one run
     assert res["rows"][0]["steps"] == 2                     # 24 tokens in chunks of 16
     assert all(r["tok_s"] > 0 and r["ttft_ms"] > 0 and r["roofline_ms"] > 0 for r in res["rows"])
     assert state.tp_size() == 1
+    with pytest.raises(SystemExit):                         # a lever this tree does not have
+        bench.main(["--device", "cpu", "--ab", "no_such_lever"])
 
 
 def test_bench_serving_simulated_smoke(small_dir, tmp_path):

@@ -13,7 +13,8 @@ the router sorts the pairs and the down kernel sums), no host sync (CUDA-graph s
     activations (swap-AB: weights are M, tokens N, so a lone decode token still fills the wide side).
     Epilogue: clamped SwiGLU, routing weight, bf16 rounding (where the reference rounds). Small
     batches split K; the last split to take an atomic ticket adds the partials in split order.
- 3. _down_kernel, per (block, 128 hidden rows): w2 against the intermediate, an fp32 row per pair.
+ 3. _down_kernel, per (block, 128 hidden rows): w2 against the intermediate, a row per pair in x's
+    dtype (rounded where the reference's F.linear rounds it: half the bytes of fp32 to write and sum).
     Small steps (SUM_IN_DOWN_MAX_T): the last program to take a ticket for its 128 hidden rows does 4.
  4. _sum_kernel: a token's k slot rows summed in slot order; ids outside [0, E) (experts on another
     EP rank) are skipped. Tickets only pick which program adds, never the order: deterministic.
@@ -39,6 +40,10 @@ from .common import gdc_enter, pdl_args, interpreting, num_sms, round_to, scratc
 from .moe_pack import PackedExperts, dequant_experts, pack_experts  # noqa: F401 (their home is moe_pack)
 
 BM_CHOICES = (16, 32, 64)    # routed rows per block (the wgmma N); 16 is the instruction minimum
+# Each pair's down-projection row is stored in the model dtype, rounded where the reference's
+# F.linear rounds it: half the bytes an fp32 row costs the down kernel's stores and the sum's
+# loads (an 8k prefill writes and reads 0.8 GB a layer of them in fp32). False: fp32 rows (the lever).
+PAIR_ROWS_IN_MODEL_DTYPE = True
 # Tokens up to which the down kernel's last program per 128 hidden rows sums the slots itself (no
 # _sum_kernel launch); past it that one program's serial sum would cost more than the launch.
 SUM_IN_DOWN_MAX_T = 64
@@ -250,7 +255,8 @@ def _routed_down(h_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, y_ptr, N,
                         0, KT, BM, MX, ASM, F32)
         y = acc * tl.load(alpha_ptr + e * 3 + 2)
         n = j * 128 + tl.arange(0, 128)
-        tl.store(y_ptr + pair.to(tl.int64)[None, :] * D + n[:, None], y, mask=ok[None, :])
+        ty = y_ptr.dtype.element_ty      # the model dtype: F.linear's output rounding in the reference
+        tl.store(y_ptr + pair.to(tl.int64)[None, :] * D + n[:, None], round_to(y, ty).to(ty), mask=ok[None, :])
 
 
 @triton.jit
@@ -296,9 +302,9 @@ def _sum_rows(y_ptr, ids_ptr, sh_ptr, out_ptr, t, n, T, D, E, stride_sh, TOPK: t
         at = y_ptr + (t * TOPK + s).to(tl.int64)[:, None] * D + n[None, :]
         m = live[:, None] & (n < D)[None, :]
         if CG:
-            acc += tl.load(at, mask=m, other=0.0, cache_modifier=".cg")
+            acc += tl.load(at, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
         else:
-            acc += tl.load(at, mask=m, other=0.0)
+            acc += tl.load(at, mask=m, other=0.0).to(tl.float32)
     tn = (t < T)[:, None] & (n < D)[None, :]
     if SHARED:      # the shared expert's output, added after the routed sum (the reference's order)
         at = sh_ptr + t.to(tl.int64)[:, None] * stride_sh + n[None, :]
@@ -387,7 +393,7 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
         x, packed.w13, packed.s13, packed.alpha, sorted_ids, bexp, tw, h, ws, cnt,
         n, D, I, x.stride(0), limit, kt_per, TOPK=k, BM=bm, SPLIT=split, MX=mx, ASM=asm, F32=f32,
         num_warps=4, num_stages=3, **pdl_args())
-    y = torch.empty(n, D, dtype=torch.float32, device=x.device)
+    y = torch.empty(n, D, dtype=x.dtype if PAIR_ROWS_IN_MODEL_DTYPE else torch.float32, device=x.device)
     out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     if after is not None:
         torch.cuda.current_stream(x.device).wait_stream(after)

@@ -1,0 +1,39 @@
+"""The levers bench/decode.py and bench/prefill.py can turn off for a before/after in one run (--ab):
+programmatic dependent launch, or a module constant of this tree's kernels read at launch."""
+import contextlib
+
+# (module, name, the value that turns the lever off)
+LEVERS = {
+    "post_mix": ("engine.kernels.mhc_post", "POST_MIX_MAX_T", 0),           # mhc_pre's mix GEMM instead
+    "attn_splits": ("engine.kernels.sparse_attn", "MIN_KEYS_PER_SPLIT", 128),  # the earlier split plan
+    "compress_split": ("engine.kernels.compressor", "CHANNELS_PER_PROGRAM", 1 << 30),  # one program a row
+    "moe_rows_bf16": ("engine.kernels.fused_moe", "PAIR_ROWS_IN_MODEL_DTYPE", False),  # fp32 pair rows
+    "shared_in_down": ("engine.kernels.fused_moe", "SHARED_IN_DOWN_MAX_T", 0),  # SwiGLU + w2 apart, beside
+    "router_one": ("engine.kernels.router", "ONE_TOKEN_SORT", False),       # one token: the generic pair sort
+    "head_kernel": ("engine.kernels.mhc_pre", "HEAD_KERNEL", False),        # the head's torch ops
+}
+
+
+@contextlib.contextmanager
+def lever_off(name: str):
+    """Launches inside with one of this tree's levers off (graphs captured inside keep it off):
+    pdl (programmatic dependent launch) or one of LEVERS."""
+    from importlib import import_module
+
+    from engine.kernels import common
+
+    if name == "pdl":
+        common.set_pdl(False)
+        undo = lambda: common.set_pdl(None)
+    elif name in LEVERS:
+        module, attr, off = LEVERS[name]
+        mod = import_module(module)
+        keep = getattr(mod, attr)
+        setattr(mod, attr, off)
+        undo = lambda: setattr(mod, attr, keep)
+    else:
+        raise ValueError(f"unknown lever {name!r}: pdl, {', '.join(LEVERS)}")
+    try:
+        yield
+    finally:
+        undo()
