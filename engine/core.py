@@ -208,10 +208,12 @@ class EngineCore:
             else:
                 rows.append((seq, i))
         if not rows:
+            self.runner.share_sampled(None)              # tensor parallel: the other ranks wait for it
             return None
         seqs, idx = [s for s, _ in rows], [i for _, i in rows]
         logits = logits if len(idx) == logits.shape[0] else _take(logits, idx)
         out = self.runner.sample(seqs, logits, prev)
+        self.runner.share_sampled(out.token_ids)         # tensor parallel: the next step's pending ids
         for i, seq in enumerate(seqs):
             seq.pending, seq.pending_row = seq.pending + 1, i
         return InFlight(seqs, out, logits.clone() if self.runner.logits_hook is not None else None, self.host)

@@ -89,9 +89,8 @@ class LLM:
         cfg.check_tp(simulate_tp or tp, numerics)   # before any rank starts or reads a weight
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         use_graphs = self.device.type == "cuda" and not enforce_eager
-        if async_scheduling and tp > 1:
-            raise ValueError("async_scheduling is not supported with tp > 1 yet")
         if async_scheduling is None:   # ENGINE_ASYNC_SCHEDULING=0/1 overrides (tests force the lag on CPU)
+            # tp > 1: opt-in (every step then shares its sampled ids; run on CPU ranks only so far)
             env = os.environ.get("ENGINE_ASYNC_SCHEDULING")
             async_scheduling = tp == 1 and (env != "0" if env else self.device.type == "cuda")
         self.workers, self.tp, self.simulate_tp = None, tp, simulate_tp
@@ -127,8 +126,10 @@ class LLM:
             self.tokenizer = Tokenizer.from_dir(path)   # no path (simulated real dims): the bundled one
         self.engine = EngineCore(self.model, self.tokenizer, self.cache, max_num_seqs, self.max_model_len,
                                  chunk_size, max_waiting, max_num_batched_tokens, async_scheduling)
-        if self.workers is not None:
-            self.engine.runner.broadcast = self.workers.send
+        if tp > 1:
+            self.engine.runner.broadcast = self.workers.send if self.workers is not None else rank.send_step
+            if async_scheduling:   # the sampled ids every rank reads the next step's pending tokens from
+                self.engine.runner.shared = torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
         self.engine.runner.graphs = graphs
         self.model_path = path or Path(f"DeepSeek-V4-Flash-sim-tp{simulate_tp}")
         self.numerics, self.max_num_seqs = numerics, max_num_seqs

@@ -69,12 +69,20 @@ def build_rank(spec: dict, device):
 
 
 def serve_steps(model, cache, device, graphs=None):
-    """Ranks > 0: run steps until rank 0 says stop (decode through this rank's own graphs)."""
+    """Ranks > 0: run steps until rank 0 says stop (decode through this rank's own graphs). Async
+    scheduling: a step marked "share" is followed by rank 0's sampled ids (ModelRunner.
+    share_sampled), which the next step's pending tokens are gathered from, as on rank 0."""
+    from .parallel.comm import share_ids
     from .runner import run_step
 
+    prev = None
     with torch.inference_mode():
         while (step := recv_step()) is not None:
-            run_step(model, cache, step, device, graphs)
+            run_step(model, cache, step, device, graphs, prev)
+            if step.get("share"):
+                if prev is None or prev.numel() != step["share"]:
+                    prev = torch.zeros(step["share"], dtype=torch.long, device=device)
+                share_ids(prev)
 
 
 def worker_main(rank: int, size: int, init_method: str, spec: dict):

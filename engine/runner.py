@@ -3,6 +3,7 @@ import torch
 
 from .cache import KVCache
 from .model.kv_cache import StepInputs
+from .parallel.comm import share_ids
 from .sampler import Sampler, SamplerOutput, SamplingBatch
 from .sequence import Sequence
 from .staging import DecodeStaging
@@ -15,6 +16,8 @@ class ModelRunner:
         self.vocab_size, self.eos = model.cfg.vocab_size, model.cfg.eos_token_id
         self.logits_hook = None  # tests: (seqs, logits) of the rows that sampled, before their tokens append (core)
         self.broadcast = None    # tensor parallel: sends each step to the other ranks first
+        self.shared = None       # tensor parallel, async scheduling: [max_num_seqs] long, where each
+                                 # step's sampled ids go to every rank (share_sampled)
         self.graphs = None       # engine.graphs.DecodeGraphs once captured
         self.staging = None      # engine.staging.DecodeStaging over those graphs, made on first use
 
@@ -60,10 +63,23 @@ class ModelRunner:
 
     def execute(self, step: dict, prev: torch.Tensor | None = None) -> torch.Tensor:
         if self.broadcast is not None:
-            if "src" in step:
-                raise RuntimeError("async scheduling is not supported with tensor parallelism")
+            if "src" in step and self.shared is None:
+                raise RuntimeError("pending tokens under tensor parallelism need the sampled ids shared "
+                                   "(LLM(async_scheduling=True) sets that up)")
+            if self.shared is not None:   # every rank takes part in share_sampled after this step
+                step["share"] = self.shared.numel()
             self.broadcast(step)
         return run_step(self.model, self.cache, step, self.device, self.graphs, prev)
+
+    def share_sampled(self, token_ids: torch.Tensor | None):
+        """Tensor parallel, async scheduling: this step's sampled ids [B] (None: it sampled none)
+        to every rank, where the next step's pending tokens are gathered from (engine.rank's
+        serve_steps takes part). A no-op otherwise. Device ops only: nothing waits on the host."""
+        if self.shared is None:
+            return
+        if token_ids is not None:
+            self.shared[:token_ids.numel()].copy_(token_ids)
+        share_ids(self.shared)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, prev: torch.Tensor | None = None) -> SamplerOutput:
         """One sampler call for these rows. A row's pending token (in prev) counts as generated:

@@ -24,7 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch each step before reading the previous one's tokens (default: on for CUDA at tp=1)")
+                   help="launch each step before reading the previous one's tokens (default: on for CUDA at "
+                        "tp=1; tp > 1: opt-in)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")

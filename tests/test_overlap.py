@@ -230,11 +230,6 @@ def test_async_engine_streams_with_overlap(llm):
     _drain(llm)
 
 
-def test_tp_refuses_async_scheduling(tiny_ckpt):
-    with pytest.raises(ValueError, match="tp > 1"):
-        LLM(tiny_ckpt("tiny", 0), device="cpu", tp=2, numerics="plain", async_scheduling=True)
-
-
 def test_serve_flag():
     from engine.serve import parse_args
 

@@ -1,7 +1,12 @@
 """Tensor parallelism on CPU (gloo): TP=2 and TP=4 reproduce TP=1."""
 import dataclasses
+import json
+import os
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +18,11 @@ from engine.model.shards import split_dim
 from engine.parallel import state
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(path, tp, prompts):
-    llm = LLM(path, tp=tp, device="cpu", dtype=torch.float32, max_num_seqs=4, numerics="plain", tp_timeout=60)
+def _run(path, tp, prompts, params=GREEDY, **kw):
+    llm = LLM(path, tp=tp, device="cpu", dtype=torch.float32, max_num_seqs=4, numerics="plain", tp_timeout=60, **kw)
     seen = {}
 
     def hook(seqs, logits):
@@ -25,7 +31,7 @@ def _run(path, tp, prompts):
 
     llm.engine.runner.logits_hook = hook
     try:
-        outs = llm.generate(prompts, GREEDY)
+        outs = llm.generate(prompts, params)
     finally:
         llm.shutdown()
     return [o.token_ids for o in outs], seen
@@ -47,6 +53,50 @@ def test_tp_reproduces_tp1(tiny_ckpt, preset, tp):
     err = max(rel_err(got[k], want[k]).item() for k in want)
     print(f"{preset} tp={tp}: max rel err of logits vs tp=1 {err:.2e}")
     assert err <= 1e-4
+
+
+def test_tp_async_scheduling_gives_the_synchronous_tokens(tiny_ckpt):
+    """Async scheduling at tp=2: every rank gathers the pending tokens from rank 0's sampled ids
+    (shared after each step), so greedy and seeded sampling give tp=1's synchronous tokens, through
+    prefill-only steps (chunks of 8: nothing sampled), mixed steps and more prompts than slots."""
+    path = tiny_ckpt("tiny", 0)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 129280, (n,), generator=g).tolist() for n in (37, 11, 20, 5, 9, 30)]
+    for params in (GREEDY, [SamplingParams(temperature=0.8, seed=i, max_tokens=4 + i, ignore_eos=True)
+                            for i in range(len(prompts))]):
+        want, _ = _run(path, 1, prompts, params, async_scheduling=False, chunk_size=8)
+        got, _ = _run(path, 2, prompts, params, async_scheduling=True, chunk_size=8)
+        assert got == want
+
+
+TORCHRUN = """
+import json, sys
+import torch
+from engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], tp=2, device="cpu", dtype=torch.float32, max_num_seqs=4, numerics="plain", tp_timeout=60,
+          async_scheduling=sys.argv[2] == "async")   # ranks > 0 serve rank 0's steps in here, then exit
+outs = llm.generate(json.loads(sys.argv[3]), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+print("TOKENS", json.dumps([o.token_ids for o in outs]), flush=True)
+llm.shutdown()
+"""
+
+
+def test_torchrun_ranks_serve_rank0s_steps(tiny_ckpt, tmp_path):
+    """Under torchrun every rank builds its engine in LLM(); rank 0 then sends each step to the
+    others (as to spawned ranks), synchronous and async scheduling alike: tp=1's tokens."""
+    path = tiny_ckpt("tiny", 0)
+    prompts = _prompts(129280)
+    want, _ = _run(path, 1, prompts)
+    script = tmp_path / "torchrun_generate.py"
+    script.write_text(TORCHRUN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", "")))}
+    for mode in ("sync", "async"):
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              str(script), str(path), mode, json.dumps(prompts)],
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        got = [line for line in out.stdout.splitlines() if line.startswith("TOKENS ")]
+        assert len(got) == 1 and json.loads(got[0][len("TOKENS "):]) == want, (mode, out.stdout[-2000:])
 
 
 def _expected_shape(name, full_shape, tp):

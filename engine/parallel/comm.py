@@ -49,6 +49,12 @@ def shard(n: int, what: str) -> int:
     return n // tp_size()
 
 
+def share_ids(buf: torch.Tensor):
+    """Rank 0's buf (a step's sampled token ids) into every rank's buf, in place, on the device
+    group: async scheduling's next step reads its pending tokens from them on every rank."""
+    dist.broadcast(buf, src=0, group=_group())
+
+
 def send_step(step):
     """Rank 0: a step description (any picklable object; None = stop) to every rank."""
     dist.broadcast_object_list([step], src=0, group=cpu_group())
