@@ -66,7 +66,8 @@ def gpu_variant(spec) -> bool:
     interp_* checks also run fp32 models (their activations, the first tensor, fp32): variants
     only the interpreter runs. (The fused MoE's F32 switch is the interpreter's own math, which
     bench/regs.py puts back to the GPU's.)"""
-    first = next(t for t in spec["sig"].values() if t.startswith("*"))
+    flat = [t for v in spec["sig"].values() for t in (v if isinstance(v, (list, tuple)) else [v])]
+    first = next(t for t in flat if t.startswith("*"))
     return first != "*fp32" or spec["name"] in FP32_FIRST
 
 
