@@ -321,7 +321,7 @@ def check_compressor(dtype, ratio, D=128, sim=0, B=5, steps=None, dev="cpu", R=6
     return again
 
 
-def check_kv_prep(B, dtype, indexer=True, ratio=4, dev="cpu", steps=None):
+def check_kv_prep(B, dtype, indexer=True, ratio=4, dev="cpu", steps=None, H=3, DH=128, IH=4, ID=64):
     """kv_prep.together(): rope_qkv, the attention's compressor and (indexer) the indexer's
     compressor and rope_q of its queries as one launch == the same four launched one by one, bit
     for bit (the same program functions), over decode steps where rows complete windows at
@@ -331,7 +331,7 @@ def check_kv_prep(B, dtype, indexer=True, ratio=4, dev="cpu", steps=None):
     from engine.kernels.rope_q import rope_q
 
     r = gen(dev, seed=B + ratio)
-    H, DH, R, W, bt = 3, 128, 64, 8, 2 * ratio
+    R, W, bt = 64, 8, 2 * ratio
     slots_n, blocks = B + 2, 4 * B + 2
     inv = inv_freq(R, 10000.0, None).to(dev)
 
@@ -341,7 +341,7 @@ def check_kv_prep(B, dtype, indexer=True, ratio=4, dev="cpu", steps=None):
         return dict(D=D, ratio=ratio_, coff=coff, ape=r(ratio_, coff * D, s=0.5), w=1 + r(D, s=0.1), kst=kst,
                     sst=torch.full_like(kst, float("-inf")),
                     store=torch.full((blocks * (bt // ratio_), D), float("nan"), dtype=dtype, device=dev))
-    comps = [comp_state(DH, ratio)] + ([comp_state(64, 4)] if indexer else [])
+    comps = [comp_state(DH, ratio)] + ([comp_state(ID, 4)] if indexer else [])
     ring = torch.full((slots_n, W, DH), float("nan"), dtype=dtype, device=dev)
     both = [dict(ring=ring, comps=comps), dict(ring=ring.clone(), comps=[{k: v.clone() if torch.is_tensor(v) else v
                                                                            for k, v in c.items()} for c in comps])]
@@ -351,7 +351,7 @@ def check_kv_prep(B, dtype, indexer=True, ratio=4, dev="cpu", steps=None):
     kvw = 1 + r(DH, s=0.1)
     for step in range(steps or ratio + 3):
         pos = (start + step)[:, None]
-        q, kv, iq = r(B, 1, H, DH).to(dtype), r(B, 1, DH).to(dtype), r(B, 1, 4, 64, s=3.0).to(dtype)
+        q, kv, iq = r(B, 1, H, DH).to(dtype), r(B, 1, DH).to(dtype), r(B, 1, IH, ID, s=3.0).to(dtype)
         cos, sin = cos_sin(pos, inv)
         feed = [(r(B, c["coff"] * c["D"]), r(B, c["coff"] * c["D"])) for c in comps]
         outs = []
@@ -375,10 +375,17 @@ def check_kv_prep(B, dtype, indexer=True, ratio=4, dev="cpu", steps=None):
             assert torch.equal(c0["store"].isnan(), c1["store"].isnan())
     assert all(int((~c["store"].isnan().all(-1)).sum()) >= B for c in both[1]["comps"]), "too few windows completed"
 
-    def again():    # the last step once more, as one launch
+    def again():    # the last step once more (idempotent), as one launch -> copies of what it leaves
+        st = both[1]
         with together():
-            o = rope_qkv(q, kv, kvw, 1e-6, cos, sin, positions=pos, ring=both[1]["ring"], slots=slots, fp8=True)
-        return o
+            o = rope_qkv(q, kv, kvw, 1e-6, cos, sin, positions=pos, ring=st["ring"], slots=slots, fp8=True)
+            for c, (x, g), sim in zip(st["comps"], feed, (SIM_FP8, SIM_FP4)):
+                ecos, esin = (t.reshape(B, -1) for t in cos_sin(pos // c["ratio"] * c["ratio"], inv))
+                compress_decode(x, g, c["ape"], c["kst"], c["sst"], c["store"], slots, pos, table, bt, c["w"],
+                                ecos, esin, 1e-6, c["ratio"], sim)
+            if indexer:
+                o = o + (rope_q(iq, cos, sin, fp4=True),)
+        return (*o, st["ring"].clone(), *(c[k].clone() for c in st["comps"] for k in ("kst", "sst", "store")))
     return again
 
 
@@ -631,6 +638,16 @@ def test_gpu_compressor(ratio, D, sim, dtype):
     FP4), HCA (ratio 128), 64 rows; then the kernel under graph replay equals it eagerly (the
     last step again: idempotent, so states and pool must come out bit for bit the same)."""
     graph_equals_eager(check_compressor(dtype, ratio, D=D, sim=sim, B=64, steps=ratio + 3, dev="cuda"))
+
+
+@pytest.mark.parametrize("T", TS)
+@on_gpu
+def test_gpu_kv_prep(T):
+    """One launch of rope_qkv, the compressors and the indexer's queries at one rank's dims (8 heads
+    of 512, CSA: indexer keys 128, 64 query heads; HCA: ratio 128) == the four launched one by one,
+    bit for bit; under graph replay too."""
+    graph_equals_eager(check_kv_prep(T, BF16, dev="cuda", H=8, DH=512, IH=64, ID=128))
+    graph_equals_eager(check_kv_prep(T, BF16, indexer=False, ratio=128, steps=130, dev="cuda", H=8, DH=512))
 
 
 @pytest.mark.parametrize("T", TS)
