@@ -227,8 +227,6 @@ def average_step(replay, positions, ctx_len: int, n: int) -> float:
     return statistics.mean(times)
 
 
-
-
 def ab(run, replay_on, ctx_len, B, levers: str, rounds=5) -> dict:
     """The same step captured again with each lever (or '+'-joined group of levers) off; each
     replayed in alternation with the step as it is (rounds of 20), so drift hits both alike ->

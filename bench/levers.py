@@ -11,6 +11,7 @@ LEVERS = {
     "shared_in_down": ("engine.kernels.fused_moe", "SHARED_IN_DOWN_MAX_T", 0),  # SwiGLU + w2 apart, beside
     "router_one": ("engine.kernels.router", "ONE_TOKEN_SORT", False),       # one token: the generic pair sort
     "head_kernel": ("engine.kernels.mhc_pre", "HEAD_KERNEL", False),        # the head's torch ops
+    "kv_prep": ("engine.kernels.kv_prep", "KV_PREP", False),                 # rope_qkv, compressors, rope_q apart
 }
 
 

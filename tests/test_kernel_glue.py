@@ -342,6 +342,74 @@ def check_compressor(dtype, ratio, D=128, sim=0, B=5, steps=None, dev="cpu", R=6
     return again
 
 
+def check_kv_prep(B, dtype, indexer=True, ratio=4, dev="cpu", steps=None, H=3, DH=128, IH=4, ID=64):
+    """kv_prep.together(): rope_qkv, the attention's compressor and (indexer) the indexer's
+    compressor and rope_q of its queries as one launch == the same four launched one by one, bit
+    for bit (the same program functions), over decode steps where rows complete windows at
+    different times: q, kv, ring, both compressors' states and pools, the rotated queries."""
+    from engine.kernels.compressor import SIM_FP4, SIM_FP8, compress_decode
+    from engine.kernels.kv_prep import together
+    from engine.kernels.rope_q import rope_q
+
+    r = gen(dev, seed=B + ratio)
+    R, W, bt = 64, 8, 2 * ratio
+    slots_n, blocks = B + 2, 4 * B + 2
+    inv = inv_freq(R, 10000.0, None).to(dev)
+
+    def comp_state(D, ratio_):
+        coff = 2 if ratio_ == 4 else 1
+        kst = torch.zeros(slots_n, coff * ratio_, coff * D, device=dev)
+        return dict(D=D, ratio=ratio_, coff=coff, ape=r(ratio_, coff * D, s=0.5), w=1 + r(D, s=0.1), kst=kst,
+                    sst=torch.full_like(kst, float("-inf")),
+                    store=torch.full((blocks * (bt // ratio_), D), float("nan"), dtype=dtype, device=dev))
+    comps = [comp_state(DH, ratio)] + ([comp_state(ID, 4)] if indexer else [])
+    ring = torch.full((slots_n, W, DH), float("nan"), dtype=dtype, device=dev)
+    both = [dict(ring=ring, comps=comps), dict(ring=ring.clone(), comps=[{k: v.clone() if torch.is_tensor(v) else v
+                                                                           for k, v in c.items()} for c in comps])]
+    table = (1 + torch.randperm(blocks - 1)[:B * 4]).view(B, 4).to(dev)
+    slots = torch.randperm(slots_n)[:B].to(dev)
+    start = torch.randint(0, ratio, (B,)).to(dev)
+    kvw = 1 + r(DH, s=0.1)
+    for step in range(steps or ratio + 3):
+        pos = (start + step)[:, None]
+        q, kv, iq = r(B, 1, H, DH).to(dtype), r(B, 1, DH).to(dtype), r(B, 1, IH, ID, s=3.0).to(dtype)
+        cos, sin = cos_sin(pos, inv)
+        feed = [(r(B, c["coff"] * c["D"]), r(B, c["coff"] * c["D"])) for c in comps]
+        outs = []
+        for fused, st in zip((False, True), both):
+            with poisoned(), together(fused):
+                o = rope_qkv(q, kv, kvw, 1e-6, cos, sin, positions=pos, ring=st["ring"], slots=slots, fp8=True)
+                for c, (x, g), sim in zip(st["comps"], feed, (SIM_FP8, SIM_FP4)):
+                    ecos, esin = (t.reshape(B, -1) for t in cos_sin(pos // c["ratio"] * c["ratio"], inv))
+                    compress_decode(x, g, c["ape"], c["kst"], c["sst"], c["store"], slots, pos, table, bt, c["w"],
+                                    ecos, esin, 1e-6, c["ratio"], sim)
+                if indexer:
+                    o = o + (rope_q(iq, cos, sin, fp4=True),)
+            outs.append(o)
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+        assert torch.equal(both[0]["ring"].isnan(), both[1]["ring"].isnan())
+        assert torch.equal(both[0]["ring"].nan_to_num(), both[1]["ring"].nan_to_num())
+        for c0, c1 in zip(both[0]["comps"], both[1]["comps"]):
+            assert torch.equal(c0["kst"], c1["kst"]) and torch.equal(c0["sst"], c1["sst"])
+            assert torch.equal(c0["store"].nan_to_num(), c1["store"].nan_to_num())
+            assert torch.equal(c0["store"].isnan(), c1["store"].isnan())
+    assert all(int((~c["store"].isnan().all(-1)).sum()) >= B for c in both[1]["comps"]), "too few windows completed"
+
+    def again():    # the last step once more (idempotent), as one launch -> copies of what it leaves
+        st = both[1]
+        with together():
+            o = rope_qkv(q, kv, kvw, 1e-6, cos, sin, positions=pos, ring=st["ring"], slots=slots, fp8=True)
+            for c, (x, g), sim in zip(st["comps"], feed, (SIM_FP8, SIM_FP4)):
+                ecos, esin = (t.reshape(B, -1) for t in cos_sin(pos // c["ratio"] * c["ratio"], inv))
+                compress_decode(x, g, c["ape"], c["kst"], c["sst"], c["store"], slots, pos, table, bt, c["w"],
+                                ecos, esin, 1e-6, c["ratio"], sim)
+            if indexer:
+                o = o + (rope_q(iq, cos, sin, fp4=True),)
+        return (*o, st["ring"].clone(), *(c[k].clone() for c in st["comps"] for k in ("kst", "sst", "store")))
+    return again
+
+
 def check_rope_q(T, H, D, R, dtype, inverse, fp4, dev="cpu", max_pos=4096):
     from engine.kernels.rope_q import rope_q, rope_q_ref
     r = gen(dev, seed=T + H)
@@ -413,6 +481,8 @@ def _cpu_cases():
             for hashed in (False, True):
                 cases[f"route-T{T}-E{E}-k{k}-{'hash' if hashed else 'topk'}"] = (
                     check_route, dict(T=T, E=E, k=k, hashed=hashed, ids_dtype=torch.int32 if E == 12 else torch.int64))
+        cases[f"kv_prep-T{T}-csa"] = (check_kv_prep, dict(B=T, dtype=BF16))
+        cases[f"kv_prep-T{T}-hca"] = (check_kv_prep, dict(B=T, dtype=BF16, indexer=False, ratio=16, steps=18))
         # hash rows naming an expert twice: one group of two rows (the one-token sort's `within`)
         cases[f"route-T{T}-E8-k4-hashdup"] = (check_route, dict(T=T, E=8, k=4, hashed="dup"))
     return cases
@@ -591,6 +661,16 @@ def test_gpu_compressor(ratio, D, sim, dtype):
     FP4), HCA (ratio 128), 64 rows; then the kernel under graph replay equals it eagerly (the
     last step again: idempotent, so states and pool must come out bit for bit the same)."""
     graph_equals_eager(check_compressor(dtype, ratio, D=D, sim=sim, B=64, steps=ratio + 3, dev="cuda"))
+
+
+@pytest.mark.parametrize("T", TS)
+@on_gpu
+def test_gpu_kv_prep(T):
+    """One launch of rope_qkv, the compressors and the indexer's queries at one rank's dims (8 heads
+    of 512, CSA: indexer keys 128, 64 query heads; HCA: ratio 128) == the four launched one by one,
+    bit for bit; under graph replay too."""
+    graph_equals_eager(check_kv_prep(T, BF16, dev="cuda", H=8, DH=512, IH=64, ID=128))
+    graph_equals_eager(check_kv_prep(T, BF16, indexer=False, ratio=128, steps=130, dev="cuda", H=8, DH=512))
 
 
 @pytest.mark.parametrize("T", TS)

@@ -106,6 +106,27 @@ def gdc_enter(USE_GDC: tl.constexpr):
         gdc_launch_dependents()
 
 
+# ----------------------------------------------------------------------------- launches held back
+
+_held: list | None = None       # while kv_prep.together() is open: the (kernel, grid, args, K) held back
+
+
+def hold(kernel, grid, args, K) -> bool:
+    """Inside kv_prep.together(): keep this launch of kernel[grid](args, K=K) for the block's one
+    launch -> True; else False (launch it now). Only the program-function kernels ask."""
+    if _held is None:
+        return False
+    _held.append((kernel, grid, args, K))
+    return True
+
+
+def held(jobs: list | None) -> list | None:
+    """Open (a list) or close (None) the held-launch list -> the one it replaces."""
+    global _held
+    before, _held = _held, jobs
+    return before
+
+
 # ----------------------------------------------------------------------------- scratch buffers
 
 _scratch: dict = {}     # (name, device) -> the buffer

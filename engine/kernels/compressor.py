@@ -23,7 +23,7 @@ import triton.language as tl
 
 from engine.numerics import fp4_sim_ref, fp8_sim_ref, hadamard
 from .act_sim import fp4_round_trip, fp8_round_trip, hadamard_rows
-from .common import gdc_enter, pdl_args, apply_rope, entry_loc, round_to, scratch
+from .common import gdc_enter, hold, pdl_args, apply_rope, entry_loc, round_to, scratch
 from .rms_norm import rms_norm_ref
 from .rope_kv import _rope
 
@@ -31,16 +31,29 @@ SIM_NONE, SIM_FP8, SIM_FP4 = 0, 1, 2
 
 
 @triton.jit
-def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, kst_ptr, sst_ptr, store_ptr, slot_ptr, pos_ptr, table_ptr,
-                     w_ptr, cos_ptr, sin_ptr, tick_ptr, stride_kv, stride_sc, stride_pos, stride_tab, n_blocks,
-                     per_block, eps, hscale,
-                     D: tl.constexpr, C: tl.constexpr, R: tl.constexpr, RATIO: tl.constexpr,
-                     OFF: tl.constexpr, ROWS: tl.constexpr, OVERLAP: tl.constexpr, SIM: tl.constexpr,
-                     ROWS_BLOCK: tl.constexpr, LOG_D: tl.constexpr, DC: tl.constexpr, USE_GDC: tl.constexpr = False):
-    # program (b, j): row b's channels j*DC.. (+ D.. for ratio 4's B half) of the state and of the pool
+def _compress_kernel(args, K: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
-    b = tl.program_id(0)
-    j = tl.program_id(1)
+    compress_program(tl.program_id(0), tl.program_id(1), args, K)
+
+
+@triton.jit
+def compress_program(b, j, args, K: tl.constexpr):
+    """Program (b, j) of the grid (B, D / DC): row b's channels j*DC.. (+ D.. for ratio 4's B half)
+    of the state and of the pool; args and K as compress_launch makes them (kv_prep.py runs these
+    programs in its launch too)."""
+    (kv_ptr, sc_ptr, ape_ptr, kst_ptr, sst_ptr, store_ptr, slot_ptr, pos_ptr, table_ptr, w_ptr, cos_ptr, sin_ptr,
+     tick_ptr, stride_kv, stride_sc, stride_pos, stride_tab, n_blocks, per_block, eps, hscale) = args
+    D: tl.constexpr = K[0]
+    C: tl.constexpr = K[1]
+    R: tl.constexpr = K[2]
+    RATIO: tl.constexpr = K[3]
+    OFF: tl.constexpr = K[4]
+    ROWS: tl.constexpr = K[5]
+    OVERLAP: tl.constexpr = K[6]
+    SIM: tl.constexpr = K[7]
+    ROWS_BLOCK: tl.constexpr = K[8]
+    LOG_D: tl.constexpr = K[9]
+    DC: tl.constexpr = K[10]
     NC: tl.constexpr = D // DC
     slot = tl.load(slot_ptr + b)
     p = tl.load(pos_ptr + b * stride_pos)
@@ -140,6 +153,17 @@ def compress_decode(kv, score, ape, kv_state, score_state, store, slots, positio
     positions [B, 1], block_table [B, max_blocks], norm_weight [d], cos / sin [B, R/2] fp32 at
     the entry positions (pos // ratio * ratio). sim: SIM_NONE, SIM_FP8 (KV) or SIM_FP4 (indexer).
     channels: per program (tests; default CHANNELS_PER_PROGRAM up to SPLIT_MAX_ROWS rows, else all d)."""
+    if kv.shape[0]:
+        grid, args, K = compress_launch(kv, score, ape, kv_state, score_state, store, slots, positions, block_table,
+                                        block_tokens, norm_weight, cos, sin, eps, ratio, sim, channels)
+        if not hold(_compress_kernel, grid, args, K):
+            _compress_kernel[grid](args, K=K, num_warps=4, **pdl_args())
+
+
+def compress_launch(kv, score, ape, kv_state, score_state, store, slots, positions, block_table, block_tokens,
+                    norm_weight, cos, sin, eps, ratio, sim=SIM_NONE, channels=None):
+    """compress_decode's launch (same arguments; B >= 1 rows) -> (grid, args, constexprs K) of
+    compress_program (its kernel's, or kv_prep's share of a launch)."""
     B, C = kv.shape
     D = store.shape[-1]
     overlap = C == 2 * D
@@ -152,16 +176,15 @@ def compress_decode(kv, score, ape, kv_state, score_state, store, slots, positio
     R = 2 * cos.shape[-1]
     dc = min(D, channels or (CHANNELS_PER_PROGRAM if B <= SPLIT_MAX_ROWS else D))
     # a row's tickets, at zero between launches; per state tensor, since the indexer's compressor
-    # runs beside the attention's (step.beside) and each must count its own programs
+    # runs beside the attention's (step.beside, or kv_prep's one launch) and each must count its own programs
     tick = scratch(f"compressor.tickets.{kv_state.data_ptr()}", kv.device, max(B, 1), torch.int32, zero=True)
-    if B:
-        _compress_kernel[(B, D // dc)](
-            kv, score, ape.contiguous(), kv_state, score_state, store, slots.contiguous(), positions,
-            block_table, norm_weight.contiguous(), cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous(),
-            tick, kv.stride(0), score.stride(0), positions.stride(0), block_table.stride(0), block_table.shape[1],
-            block_tokens // ratio, eps, D ** -0.5,
-            D=D, C=C, R=R, RATIO=ratio, OFF=ratio if overlap else 0, ROWS=rows, OVERLAP=overlap, SIM=sim,
-            ROWS_BLOCK=min(rows, max(1, 4096 // dc)), LOG_D=D.bit_length() - 1, DC=dc, num_warps=4, **pdl_args())
+    args = (kv, score, ape.contiguous(), kv_state, score_state, store, slots.contiguous(), positions, block_table,
+            norm_weight.contiguous(), cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous(), tick,
+            kv.stride(0), score.stride(0), positions.stride(0), block_table.stride(0), block_table.shape[1],
+            block_tokens // ratio, eps, D ** -0.5)
+    K = (D, C, R, ratio, ratio if overlap else 0, rows, overlap, sim, min(rows, max(1, 4096 // dc)),
+         D.bit_length() - 1, dc)
+    return (B, D // dc), args, K
 
 
 def compress_decode_ref(kv, score, ape, kv_state, score_state, store, slots, positions, block_table, block_tokens,

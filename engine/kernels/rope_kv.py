@@ -15,7 +15,7 @@ import triton.language as tl
 
 from engine.numerics import fp8_sim_ref as fp8_sim
 from .act_sim import fp8_round_trip
-from .common import gdc_enter, pdl_args, apply_rope, cos_sin, round_to
+from .common import gdc_enter, hold, pdl_args, apply_rope, cos_sin, round_to
 from .rms_norm import rms_norm_ref as rms_norm
 
 
@@ -30,14 +30,24 @@ def _rope(y, cos, sin, M: tl.constexpr, DH: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
-def _rope_qkv_kernel(q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, inv_ptr, qo_ptr, kvo_ptr,
-                     ring_ptr, slot_ptr, H, W, stride_qt, stride_qh, stride_kvt, stride_cs,
-                     stride_rs, stride_rw, eps,
-                     DH: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, TABLE: tl.constexpr,
-                     FP8: tl.constexpr, FB: tl.constexpr, RING: tl.constexpr, USE_GDC: tl.constexpr = False):
+def _rope_qkv_kernel(args, K: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
-    t = tl.program_id(0)
-    hb = tl.program_id(1)
+    rope_qkv_program(tl.program_id(0), tl.program_id(1), args, K)
+
+
+@triton.jit
+def rope_qkv_program(t, hb, args, K: tl.constexpr):
+    """Program (token t, head block hb) of the grid (T, head blocks + 1): args and K as
+    rope_qkv_launch makes them (kv_prep.py runs these programs in its launch too)."""
+    (q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, inv_ptr, qo_ptr, kvo_ptr, ring_ptr, slot_ptr, H, W,
+     stride_qt, stride_qh, stride_kvt, stride_cs, stride_rs, stride_rw, eps) = args
+    DH: tl.constexpr = K[0]
+    R: tl.constexpr = K[1]
+    BLOCK_H: tl.constexpr = K[2]
+    TABLE: tl.constexpr = K[3]
+    FP8: tl.constexpr = K[4]
+    FB: tl.constexpr = K[5]
+    RING: tl.constexpr = K[6]
     p = tl.arange(0, DH // 2) - (DH - R) // 2                # rope pair index (< 0: not rope)
     pm = p >= 0
     if TABLE:
@@ -109,27 +119,35 @@ def rope_qkv(q, kv, kv_weight, eps, cos=None, sin=None, *, positions=None, inv_f
     assert DH & (DH - 1) == 0 and 0 < R <= DH and R % 2 == 0 and kv2.shape[0] == T
     assert not fp8 or (DH - R) % fp8_block == 0 and DH % fp8_block == 0
     assert q3.stride(-1) == 1 and kv2.stride(-1) == 1
-    dev = q.device
+    qo = torch.empty(T, H, DH, dtype=q.dtype, device=q.device)
+    kvo = torch.empty(T, DH, dtype=kv.dtype, device=q.device)
+    if T:
+        grid, args, K = rope_qkv_launch(q3, kv2, kv_weight, eps, cos, sin, positions, inv_freq, ring, slots, fp8,
+                                        fp8_block, block_h, qo, kvo)
+        if not hold(_rope_qkv_kernel, grid, args, K):
+            _rope_qkv_kernel[grid](args, K=K, num_warps=4, **pdl_args())
+    return qo.view(*lead, H, DH), kvo.view(*lead, DH)
+
+
+def rope_qkv_launch(q3, kv2, kv_weight, eps, cos, sin, positions, inv_freq, ring, slots, fp8, fp8_block, block_h,
+                    qo, kvo):
+    """rope_qkv's launch on q3 [T,H,DH], kv2 [T,DH] into qo, kvo -> (grid, args, constexprs K) of
+    rope_qkv_program (its kernel's, or kv_prep's share of a launch)."""
+    T, H, DH = q3.shape
+    table = cos is not None
+    R = 2 * (cos.shape[-1] if table else inv_freq.shape[-1])
     cs = (cos.reshape(T, -1).float().contiguous(), sin.reshape(T, -1).float().contiguous()) if table else None
     pos = positions.reshape(T).contiguous() if positions is not None else None
     assert pos is not None or (table and ring is None), "positions needed for in-kernel rope / ring"
-    qo = torch.empty(T, H, DH, dtype=q.dtype, device=dev)
-    kvo = torch.empty(T, DH, dtype=kv.dtype, device=dev)
     dummy = kvo
-    if T:
-        bh = min(block_h, triton.next_power_of_2(H))
-        grid = (T, triton.cdiv(H, bh) + 1)
-        _rope_qkv_kernel[grid](
-            q3, kv2, kv_weight.contiguous(), cs[0] if table else dummy, cs[1] if table else dummy,
+    bh = min(block_h, triton.next_power_of_2(H))
+    args = (q3, kv2, kv_weight.contiguous(), cs[0] if table else dummy, cs[1] if table else dummy,
             pos if pos is not None else dummy, inv_freq.float().contiguous() if not table else dummy,
-            qo, kvo, ring if ring is not None else dummy,
-            slots.reshape(T).contiguous() if ring is not None else dummy,
+            qo, kvo, ring if ring is not None else dummy, slots.reshape(T).contiguous() if ring is not None else dummy,
             H, ring.shape[1] if ring is not None else 1, q3.stride(0), q3.stride(1), kv2.stride(0),
             cs[0].stride(0) if table else 0, ring.stride(0) if ring is not None else 0,
-            ring.stride(1) if ring is not None else 0, eps,
-            DH=DH, R=R, BLOCK_H=bh, TABLE=table, FP8=fp8, FB=fp8_block, RING=ring is not None,
-            num_warps=4, **pdl_args())
-    return qo.view(*lead, H, DH), kvo.view(*lead, DH)
+            ring.stride(1) if ring is not None else 0, eps)
+    return (T, triton.cdiv(H, bh) + 1), args, (DH, R, bh, table, fp8, fp8_block, ring is not None)
 
 
 def rope_qkv_ref(q, kv, kv_weight, eps, cos=None, sin=None, *, positions=None, inv_freq=None,

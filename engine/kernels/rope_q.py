@@ -13,17 +13,28 @@ import triton.language as tl
 
 from engine.numerics import fp4_sim_ref, hadamard
 from .act_sim import fp4_round_trip, hadamard_rows
-from .common import gdc_enter, pdl_args, apply_rope, round_to
+from .common import gdc_enter, hold, pdl_args, apply_rope, round_to
 from .rope_kv import _rope
 
 
 @triton.jit
-def _rope_q_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, H, stride_xt, stride_xh, stride_cs, hscale,
-                   D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, INVERSE: tl.constexpr,
-                   FP4: tl.constexpr, LOG_D: tl.constexpr, USE_GDC: tl.constexpr = False):
+def _rope_q_kernel(args, K: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
-    t = tl.program_id(0)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rope_q_program(tl.program_id(0), tl.program_id(1), args, K)
+
+
+@triton.jit
+def rope_q_program(t, hb, args, K: tl.constexpr):
+    """Program (token t, head block hb) of the grid (T, head blocks): args and K as rope_q_launch
+    makes them (kv_prep.py runs these programs in its launch too)."""
+    x_ptr, y_ptr, cos_ptr, sin_ptr, H, stride_xt, stride_xh, stride_cs, hscale = args
+    D: tl.constexpr = K[0]
+    R: tl.constexpr = K[1]
+    BLOCK_H: tl.constexpr = K[2]
+    INVERSE: tl.constexpr = K[3]
+    FP4: tl.constexpr = K[4]
+    LOG_D: tl.constexpr = K[5]
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = (h < H)[:, None]
     d = tl.arange(0, D)
     p = tl.arange(0, D // 2) - (D - R) // 2
@@ -47,17 +58,24 @@ def rope_q(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool 
     H, D = x.shape[-2:]
     lead = x.shape[:-2]
     x3 = x.reshape(-1, H, D)
-    T = x3.shape[0]
+    y = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
+    if x3.shape[0]:
+        grid, args, K = rope_q_launch(x3, cos, sin, inverse, fp4, block_h, y)
+        if not hold(_rope_q_kernel, grid, args, K):
+            _rope_q_kernel[grid](args, K=K, num_warps=4, **pdl_args())
+    return y.view(*lead, H, D)
+
+
+def rope_q_launch(x3, cos, sin, inverse, fp4, block_h, y):
+    """rope_q's launch on x3 [T,H,D] (T >= 1) into y -> (grid, args, constexprs K) of
+    rope_q_program (its kernel's, or kv_prep's share of a launch)."""
+    T, H, D = x3.shape
     R = 2 * cos.shape[-1]
     assert D & (D - 1) == 0 and x3.stride(-1) == 1 and (not fp4 or D % 32 == 0)
     c2, s2 = cos.reshape(T, -1).float().contiguous(), sin.reshape(T, -1).float().contiguous()
-    y = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
-    if T:
-        bh = min(block_h, triton.next_power_of_2(H))
-        _rope_q_kernel[(T, triton.cdiv(H, bh))](x3, y, c2, s2, H, x3.stride(0), x3.stride(1), c2.stride(0),
-                                                 D ** -0.5, D=D, R=R, BLOCK_H=bh, INVERSE=inverse, FP4=fp4,
-                                                 LOG_D=D.bit_length() - 1, num_warps=4, **pdl_args())
-    return y.view(*lead, H, D)
+    bh = min(block_h, triton.next_power_of_2(H))
+    args = (x3, y, c2, s2, H, x3.stride(0), x3.stride(1), c2.stride(0), D ** -0.5)
+    return (T, triton.cdiv(H, bh)), args, (D, R, bh, inverse, fp4, D.bit_length() - 1)
 
 
 def rope_q_ref(x, cos, sin, inverse=False, fp4=False, block_h=None):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ..kernels import Ops
 from ..kernels.compressor import SIM_FP4, SIM_FP8, SIM_NONE
 from ..kernels.fused_moe import takes_shared
+from ..kernels.kv_prep import fuses, together
 from ..numerics import Numerics, up
 from ..parallel.comm import all_reduce
 from .attention import Attention
@@ -137,32 +138,37 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, 
     y = ops.proj_gemm(x, proj["attn"], xa=xa, xq=xq)   # wq_a, wkv, the compressors' and indexer's x projections: one GEMM
     yq = q_up(a, y["wq_a"], proj.get("q"), ops, num)                    # the q latent's norm and up-projections
     n = inp.max_len // a.ratio if a.compressor is not None else 0      # entries visible to the latest token
-    if a.indexer is not None:   # decode: its keys, scores and top-k beside this layer's own (rope_qkv, compressor)
-        entry_cos_sin(inp, a.ratio, a.inv_freq)      # made here: both compressors read it
-        with beside(ops, inp.decode):
-            idx_b = indexer(a.indexer, y, yq["idx.wq_b"], cos, sin, inp, cache, n, a.inv_freq, ops, num)  # [B*S,k]
-    q = yq["wq_b"].unflatten(-1, (a.n_heads, a.head_dim))                                    # [B,S,H,Dh]
-    # norms, RoPE, the KV's FP8 rounding; decode also writes its key into the ring here
-    ring = cache.window if inp.decode else None
-    q, kv = ops.rope_qkv(q, y["wkv"], a.kv_norm.weight, a.eps, cos, sin,
-                         positions=inp.positions, ring=ring, slots=inp.slots if inp.decode else None,
-                         fp8=num.kv_fp8)                                                     # kv [B,S,Dh]
+    # decode: rope_qkv, the compressors and the indexer's queries in one launch (kernels/kv_prep.py);
+    # unfused, the indexer's keys, queries, scores and top-k run beside this layer's own jobs
+    fused, idx_b = fuses(inp.decode and a.compressor is not None), None
+    with together(fused):
+        if a.indexer is not None:
+            entry_cos_sin(inp, a.ratio, a.inv_freq)      # made here: both compressors read it
+            with beside(ops, inp.decode and not fused):
+                iq = indexer_queries(a.indexer, y, yq["idx.wq_b"], cos, sin, inp, cache, a.inv_freq, ops, num)
+                if not fused:
+                    idx_b = indexer_select(a.indexer, y, iq, inp, cache, n, ops)                 # [B*S,k]
+        q = yq["wq_b"].unflatten(-1, (a.n_heads, a.head_dim))                                # [B,S,H,Dh]
+        # norms, RoPE, the KV's FP8 rounding; decode also writes its key into the ring here
+        ring = cache.window if inp.decode else None
+        q, kv = ops.rope_qkv(q, y["wkv"], a.kv_norm.weight, a.eps, cos, sin,
+                             positions=inp.positions, ring=ring, slots=inp.slots if inp.decode else None,
+                             fp8=num.kv_fp8)                                                 # kv [B,S,Dh]
+        if a.compressor is not None:
+            compress(a.compressor, y["comp.wkv"], y["comp.wgate"], inp, cache.kv_state, cache.score_state,
+                     cache.kv, a.inv_freq, x.dtype, ops, num)
     W = cache.window.shape[1]
     if inp.decode:
         kv_a, idx_a = cache.window.flatten(0, 1), inp.once(("window rows", W), lambda: window_rows(inp, W))
     else:
         kv_a, idx_a = chunk_window(kv, inp, cache.window)
-    kv_b = None
-    if a.compressor is not None:
-        compress(a.compressor, y["comp.wkv"], y["comp.wgate"], inp, cache.kv_state, cache.score_state, cache.kv,
-                 a.inv_freq, x.dtype, ops, num)
-        if a.indexer is None:
-            idx_b = inp.once(("entry rows", a.ratio), lambda: entry_rows(inp, a.ratio, n))     # [B*S,n]
-        kv_b = cache.kv.flatten(0, 1)
-    else:
-        idx_b = None
-    if a.indexer is not None and inp.decode:
+    kv_b = cache.kv.flatten(0, 1) if a.compressor is not None else None
+    if a.indexer is not None and fused:
+        idx_b = indexer_select(a.indexer, y, iq, inp, cache, n, ops)                         # [B*S,k]
+    elif a.indexer is not None and inp.decode:
         join(ops)               # the indexer's top-k
+    elif a.compressor is not None and a.indexer is None:
+        idx_b = inp.once(("entry rows", a.ratio), lambda: entry_rows(inp, a.ratio, n))         # [B*S,n]
     # the output rotated back by RoPE's inverse in the attention kernel's epilogue
     o = ops.sparse_attn(q.flatten(0, 1), kv_a, idx_a, kv_b, idx_b, a.attn_sink, a.scale,
                         rope=(cos.flatten(0, 1), sin.flatten(0, 1)))                           # [B*S,H,Dh]
@@ -268,15 +274,19 @@ def entry_cos_sin(inp: StepInputs, ratio: int, inv_freq: torch.Tensor):
     return inp.cos_sin(f"entry/{ratio}", inv_freq, entry_ratio=ratio)
 
 
-def indexer(ix: Indexer, y: dict, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            inp: StepInputs, cache: LayerCache, n: int, inv_freq: torch.Tensor, ops: Ops, num: Numerics):
-    """Update the indexer keys (from its compressor's projections in y), score each query q
-    [B,S,h*d] (its wq_b of the q latent) against the first n entries of its sequence -> the top-k
-    entries' flat pool rows [B*S,k] (-1 where none)."""
+def indexer_queries(ix: Indexer, y: dict, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    inp: StepInputs, cache: LayerCache, inv_freq: torch.Tensor, ops: Ops, num: Numerics):
+    """Update the indexer keys (from its compressor's projections in y) -> its queries q [B,S,h*d]
+    (its wq_b of the q latent) roped (then Hadamard + FP4): [B,S,h,d]."""
     compress(ix.compressor, y["idx.comp.wkv"], y["idx.comp.wgate"], inp, cache.idx_kv_state, cache.idx_score_state,
              cache.idx_k, inv_freq, q.dtype, ops, num)
-    q = q.unflatten(-1, (ix.n_heads, ix.head_dim))                                         # [B,S,h,d]
-    q = ops.rope_q(q, cos, sin, fp4=num.indexer_fp4)                  # RoPE (then Hadamard + FP4)
+    return ops.rope_q(q.unflatten(-1, (ix.n_heads, ix.head_dim)), cos, sin, fp4=num.indexer_fp4)
+
+
+def indexer_select(ix: Indexer, y: dict, q: torch.Tensor, inp: StepInputs, cache: LayerCache, n: int,
+                   ops: Ops) -> torch.Tensor:
+    """Score each query q [B,S,h,d] (indexer_queries) against the first n entries of its sequence
+    -> the top-k entries' flat pool rows [B*S,k] (-1 where none)."""
     w = y["idx.weights_proj"]                                         # [B,S,h]; scaled inside the op
     visible = inp.once(("visible entries", ix.ratio), lambda: ((inp.positions + 1) // ix.ratio).flatten())
     table = inp.block_table if inp.decode else inp.token_table()                              # [B*S,blocks]
