@@ -370,6 +370,14 @@ def check_kv_prep(B, dtype, indexer=True, ratio=4, dev="cpu", steps=None, H=3, D
     slots = torch.randperm(slots_n)[:B].to(dev)
     start = torch.randint(0, ratio, (B,)).to(dev)
     kvw = 1 + r(DH, s=0.1)
+
+    def jobs(st, q, kv, iq, pos, cos, sin, feed):   # rope_qkv, the compressors, the indexer queries
+        o = rope_qkv(q, kv, kvw, 1e-6, cos, sin, positions=pos, ring=st["ring"], slots=slots, fp8=True)
+        for c, (x, g), sim in zip(st["comps"], feed, (SIM_FP8, SIM_FP4)):
+            ecos, esin = (t.reshape(B, -1) for t in cos_sin(pos // c["ratio"] * c["ratio"], inv))
+            compress_decode(x, g, c["ape"], c["kst"], c["sst"], c["store"], slots, pos, table, bt, c["w"],
+                            ecos, esin, 1e-6, c["ratio"], sim)
+        return o + (rope_q(iq, cos, sin, fp4=True),) if indexer else o
     for step in range(steps or ratio + 3):
         pos = (start + step)[:, None]
         q, kv, iq = r(B, 1, H, DH).to(dtype), r(B, 1, DH).to(dtype), r(B, 1, IH, ID, s=3.0).to(dtype)
@@ -378,14 +386,7 @@ def check_kv_prep(B, dtype, indexer=True, ratio=4, dev="cpu", steps=None, H=3, D
         outs = []
         for fused, st in zip((False, True), both):
             with poisoned(), together(fused):
-                o = rope_qkv(q, kv, kvw, 1e-6, cos, sin, positions=pos, ring=st["ring"], slots=slots, fp8=True)
-                for c, (x, g), sim in zip(st["comps"], feed, (SIM_FP8, SIM_FP4)):
-                    ecos, esin = (t.reshape(B, -1) for t in cos_sin(pos // c["ratio"] * c["ratio"], inv))
-                    compress_decode(x, g, c["ape"], c["kst"], c["sst"], c["store"], slots, pos, table, bt, c["w"],
-                                    ecos, esin, 1e-6, c["ratio"], sim)
-                if indexer:
-                    o = o + (rope_q(iq, cos, sin, fp4=True),)
-            outs.append(o)
+                outs.append(jobs(st, q, kv, iq, pos, cos, sin, feed))
         for a, b in zip(*outs):
             assert torch.equal(a, b)
         assert torch.equal(both[0]["ring"].isnan(), both[1]["ring"].isnan())
@@ -399,13 +400,7 @@ def check_kv_prep(B, dtype, indexer=True, ratio=4, dev="cpu", steps=None, H=3, D
     def again():    # the last step once more (idempotent), as one launch -> copies of what it leaves
         st = both[1]
         with together():
-            o = rope_qkv(q, kv, kvw, 1e-6, cos, sin, positions=pos, ring=st["ring"], slots=slots, fp8=True)
-            for c, (x, g), sim in zip(st["comps"], feed, (SIM_FP8, SIM_FP4)):
-                ecos, esin = (t.reshape(B, -1) for t in cos_sin(pos // c["ratio"] * c["ratio"], inv))
-                compress_decode(x, g, c["ape"], c["kst"], c["sst"], c["store"], slots, pos, table, bt, c["w"],
-                                ecos, esin, 1e-6, c["ratio"], sim)
-            if indexer:
-                o = o + (rope_q(iq, cos, sin, fp4=True),)
+            o = jobs(st, q, kv, iq, pos, cos, sin, feed)
         return (*o, st["ring"].clone(), *(c[k].clone() for c in st["comps"] for k in ("kst", "sst", "store")))
     return again
 
