@@ -231,6 +231,7 @@ LEVERS = {
     "post_mix": ("engine.kernels.mhc_post", "POST_MIX_MAX_T", 0),           # mhc_pre's mix GEMM instead
     "attn_splits": ("engine.kernels.sparse_attn", "MIN_KEYS_PER_SPLIT", 128),  # the earlier split plan
     "compress_split": ("engine.kernels.compressor", "CHANNELS_PER_PROGRAM", 1 << 30),  # one program a row
+    "step_tables": ("engine.kernels.step_tables", "STEP_TABLES", False),     # the tables by torch ops
 }
 
 

@@ -36,6 +36,9 @@ def _type(v):
     import torch
     from triton.runtime.jit import mangle_type
 
+    if isinstance(v, tuple):    # a tuple argument (kv_prep.py's segments): (types, divisible element indices)
+        parts = [_type(e) for e in v]
+        return tuple(t for t, _ in parts), [j for j, (_, d) in enumerate(parts) if d]
     if isinstance(v, torch.Tensor):
         return mangle_type(v), v.data_ptr() % 16 == 0
     if isinstance(v, (bool, int, float)):
@@ -55,7 +58,9 @@ def record_launches(run) -> list[dict]:
         sig, div = {}, []
         for i, (name, v) in enumerate(zip(self.arg_names, args)):
             sig[name], d = _type(v)
-            if d:
+            if isinstance(d, list):     # a tuple argument: the paths of its divisible elements
+                div += [[i, j] for j in d]
+            elif d:
                 div.append(i)
         const = {n: kw.get(n, params[n].default) for n in self.arg_names[len(args):]}
         sig.update({n: "constexpr" for n in const})
@@ -74,6 +79,11 @@ def record_launches(run) -> list[dict]:
     return list(specs.values())
 
 
+def _tuples(v):
+    """A recorded signature type or constexpr, its tuples back from JSON's lists."""
+    return tuple(_tuples(e) for e in v) if isinstance(v, (list, tuple)) else v
+
+
 def ptxas_report(spec: dict, arch: int = 90) -> dict:
     """Compile one recorded launch for sm_<arch> -> {registers, spill_stores, spill_loads, stack}."""
     import triton
@@ -81,9 +91,9 @@ def ptxas_report(spec: dict, arch: int = 90) -> dict:
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(spec["module"]), spec["name"])
-    const = {k: ON_GPU.get(k, v) if k in ON_GPU else v for k, v in spec["const"].items()}
-    src = ASTSource(fn=fn, signature=spec["sig"], constexprs=const,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in spec["div"]})
+    const = {k: ON_GPU.get(k, v) if k in ON_GPU else _tuples(v) for k, v in spec["const"].items()}
+    src = ASTSource(fn=fn, signature={k: _tuples(v) for k, v in spec["sig"].items()}, constexprs=const,
+                    attrs={tuple(i) if isinstance(i, list) else (i,): [["tt.divisibility", 16]] for i in spec["div"]})
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(spec["opts"]))
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:

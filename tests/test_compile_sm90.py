@@ -24,7 +24,7 @@ _spec.loader.exec_module(regs)
 CASES = ("mhc_pre-T1-bfloat16", "mhc_pre-T3-bfloat16", "mhc_post-T3-bfloat16", "mhc_post_mix-T3-bfloat16",
          "sinkhorn-T7", "compressor-r4-bfloat16", "compressor-r16-bfloat16", "rms_norm-T1-D64-bfloat16",
          "rope_q-bfloat16", "rope-T3-bfloat16", "act_sim-fp8-b128-T1", "act_sim-fp4-b32-T1",
-         "route-T1-E16-k3-topk", "route-T3-E8-k4-hashdup")
+         "route-T1-E16-k3-topk", "route-T3-E8-k4-hashdup", "step_tables-B3", "step_tables-B7")
 # (test module, interp_* check) of the other kernel files (the default kernel set's)
 CHECKS = (("test_kernel_proj", "interp_proj"), ("test_kernel_fused_moe", "interp_mxfp4"),
           ("test_kernel_fused_moe", "interp_shared"), ("test_kernel_fused_moe", "interp_sum_in_down"),
@@ -66,7 +66,8 @@ def gpu_variant(spec) -> bool:
     interp_* checks also run fp32 models (their activations, the first tensor, fp32): variants
     only the interpreter runs. (The fused MoE's F32 switch is the interpreter's own math, which
     bench/regs.py puts back to the GPU's.)"""
-    first = next(t for t in spec["sig"].values() if t.startswith("*"))
+    flat = [t for v in spec["sig"].values() for t in (v if isinstance(v, (list, tuple)) else [v])]
+    first = next(t for t in flat if t.startswith("*"))
     return first != "*fp32" or spec["name"] in FP32_FIRST
 
 
@@ -79,7 +80,7 @@ def test_kernels_compile_for_sm90():
     names = {s["name"] for s in specs}
     assert {"_mhc_pre_kernel", "_mhc_post_kernel", "_compress_kernel", "_sinkhorn_kernel", "_proj_kernel",
             "_gate_up_kernel", "_down_kernel", "_bf16_gemm_kernel", "_topk_kernel", "_split_kernel",
-            "_combine_kernel", "_router_kernel", "_align_kernel"} <= names, names
+            "_combine_kernel", "_router_kernel", "_align_kernel", "_step_tables_kernel"} <= names, names
     failed = []
     for s in specs:
         try:
