@@ -12,6 +12,7 @@ LEVERS = {
     "router_one": ("engine.kernels.router", "ONE_TOKEN_SORT", False),       # one token: the generic pair sort
     "head_kernel": ("engine.kernels.mhc_pre", "HEAD_KERNEL", False),        # the head's torch ops
     "kv_prep": ("engine.kernels.kv_prep", "KV_PREP", False),                 # rope_qkv, compressors, rope_q apart
+    "step_tables": ("engine.kernels.step_tables", "STEP_TABLES", False),     # the tables by torch ops
 }
 
 

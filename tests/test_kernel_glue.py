@@ -405,6 +405,36 @@ def check_kv_prep(B, dtype, indexer=True, ratio=4, dev="cpu", steps=None, H=3, D
     return again
 
 
+def check_step_tables(B, dev="cpu", W=8, bt=16, max_pos=200):
+    """step_tables (one launch) == step_tables_ref (the step's torch code): angles at the positions
+    for two frequency sets and at ratio 4's and 16's entry starts, window rows (positions below the
+    window too), entry rows of ratio 16 (entries past a row's visible ones: -1), visible entries."""
+    from engine.kernels.step_tables import step_tables, step_tables_ref
+
+    r = gen(dev, seed=B)
+    pos = torch.cat((torch.tensor([0, W - 2, W, 4 * bt - 1]), torch.randint(0, max_pos, (B,))))[:B, None].to(dev)
+    slots = torch.randperm(B + 3)[:B].to(dev)
+    blocks = max_pos // bt + 1
+    table = torch.stack([torch.randperm(4 * blocks)[:blocks] for _ in range(B)]).to(dev)
+    n = max_pos // 16
+    plan = [("window rows", W), ("rope", "plain", 1 / 10000 ** (torch.arange(0, 32, 2, device=dev) / 32), None),
+            ("rope", "compressed", r(16).abs(), None), ("rope", "entry/4", r(16).abs(), 4),
+            ("rope", "entry/16", r(16).abs(), 16), ("entry rows", 16, n), ("visible entries", 4)]
+    with poisoned():
+        got = step_tables(pos, slots, table, bt, plan)
+    want = step_tables_ref(pos, slots, table, bt, plan)
+    assert got.keys() == want.keys()
+    for k in want:
+        for g, w in zip(got[k] if isinstance(got[k], tuple) else (got[k],), want[k] if isinstance(want[k], tuple) else (want[k],)):
+            assert g.shape == w.shape and g.dtype == w.dtype, k
+            if g.is_floating_point():
+                close(g, w, 1e-6)
+            else:
+                assert torch.equal(g, w), k
+    return lambda: tuple(t for v in step_tables(pos, slots, table, bt, plan).values()
+                         for t in (v if isinstance(v, tuple) else (v,)))
+
+
 def check_rope_q(T, H, D, R, dtype, inverse, fp4, dev="cpu", max_pos=4096):
     from engine.kernels.rope_q import rope_q, rope_q_ref
     r = gen(dev, seed=T + H)
@@ -472,6 +502,7 @@ def _cpu_cases():
         cases[f"mhc_post-T{T}-fp32-f"] = (check_mhc_post, dict(T=T, dtype=BF16, f_dtype=F32))
         cases[f"rope-T{T}-real-layout"] = (check_rope, dict(T=T, dtype=BF16, table=True, fp8=True,
                                                             H=2, DH=128, R=64, fb=64))
+        cases[f"step_tables-B{T}"] = (check_step_tables, dict(B=T, max_pos=200 if T < 7 else 40000))   # 7: 10 blocks of entries
         for E, k in ((8, 2), (16, 3), (12, 3)):
             for hashed in (False, True):
                 cases[f"route-T{T}-E{E}-k{k}-{'hash' if hashed else 'topk'}"] = (
@@ -666,6 +697,14 @@ def test_gpu_kv_prep(T):
     bit for bit; under graph replay too."""
     graph_equals_eager(check_kv_prep(T, BF16, dev="cuda", H=8, DH=512, IH=64, ID=128))
     graph_equals_eager(check_kv_prep(T, BF16, indexer=False, ratio=128, steps=130, dev="cuda", H=8, DH=512))
+
+
+@pytest.mark.parametrize("T", TS)
+@on_gpu
+def test_gpu_step_tables(T):
+    """The per-row tables in one launch == the step's torch code (angles within fp32 ulps: the
+    device's cos/sin are libdevice's either way), under graph replay too."""
+    graph_equals_eager(check_step_tables(T, dev="cuda", W=128, bt=256, max_pos=65536))
 
 
 @pytest.mark.parametrize("T", TS)

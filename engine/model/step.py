@@ -24,13 +24,14 @@ from ..kernels import Ops
 from ..kernels.compressor import SIM_FP4, SIM_FP8, SIM_NONE
 from ..kernels.fused_moe import takes_shared
 from ..kernels.kv_prep import fuses, together
+from ..kernels.step_tables import entry_rows_ref, window_rows_ref
 from ..numerics import Numerics, up
 from ..parallel.comm import all_reduce
 from .attention import Attention
 from .block import Block
 from .compressor import Compressor
 from .indexer import Indexer
-from .kv_cache import LayerCache, StepInputs, entry_loc
+from .kv_cache import LayerCache, StepInputs
 from .linear import Linear
 from .moe import MoE
 from .projections import Q_GROUP_MAX_M, WO_GROUP_MAX_M, takes_codes
@@ -44,6 +45,9 @@ def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) 
     h = model.embed(inp.ids)[:, :, None, :].expand(-1, -1, model.cfg.hc_mult, -1).contiguous()   # [B,S,hc,D]
     mix, layers = None, list(model.layers)
     head_mix = model.head_mix() if inp.decode else None     # prefill's head reads only some rows
+    if inp.decode:      # the per-row tables every layer reads (StepInputs.once finds them), one launch
+        inp.shared.update(ops.step_tables(inp.positions, inp.slots, inp.block_table, inp.block_tokens,
+                                          tables_plan(layers, inp, caches[0].window.shape[1])))
     for i, (layer, cache) in enumerate(zip(layers, caches)):
         nxt = next_mix(layers[i + 1], "attn") if i + 1 < len(layers) else head_mix
         h, mix = block(layer, h, inp, cache, ops, num, mix, nxt)
@@ -72,6 +76,26 @@ def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Op
     if nxt is None:             # no mix for what reads the streams next (the head mixes itself)
         return ops.mhc_post(f, h, post, comb, after=ops.side), None
     return ops.mhc_post(f, h, post, comb, after=ops.side, mix=nxt)
+
+
+def tables_plan(layers: list[Block], inp: StepInputs, W: int) -> list:
+    """The per-row tables a decode step's layers read, under the keys they ask StepInputs.once
+    for (kernels/step_tables.py's plan): angles per frequency set and per compressed-entry ratio,
+    the window rows, HCA layers' entry rows, indexers' visible entries."""
+    plan, seen = [("window rows", W)], set()
+    for a in (b.attn for b in layers):
+        want = [("rope", a.rope_key, a.inv_freq, None)]
+        if a.compressor is not None:
+            want.append(("rope", f"entry/{a.ratio}", a.inv_freq, a.ratio))
+            if a.indexer is None:
+                want.append(("entry rows", a.ratio, inp.max_len // a.ratio))
+        if a.indexer is not None:
+            want.append(("visible entries", a.indexer.ratio))
+        for item in want:
+            if item[:2] not in seen:
+                seen.add(item[:2])
+                plan.append(item)
+    return plan
 
 
 def next_mix(b: Block, name: str):
@@ -208,8 +232,7 @@ def output(a: Attention, o: torch.Tensor, proj, ops: Ops, num: Numerics) -> torc
 
 def window_rows(inp: StepInputs, W: int) -> torch.Tensor:
     """Decode: each row's window keys as flat rows of the [slots * W, Dh] ring, -1 before 0 -> [B,W]."""
-    key_pos = inp.positions[:, :1] - W + 1 + torch.arange(W, device=inp.positions.device)       # [B,W]
-    return torch.where(key_pos >= 0, inp.slots[:, None] * W + key_pos % W, -1)
+    return window_rows_ref(inp.positions, inp.slots, W)
 
 
 def chunk_window(kv: torch.Tensor, inp: StepInputs, ring: torch.Tensor):
@@ -238,9 +261,7 @@ def entry_rows(inp: StepInputs, ratio: int, n: int) -> torch.Tensor:
     """HCA: every entry visible to each query as flat rows of the pool, -1 past it -> [B*S,n]
     (prefill: [T,n], each token through its own row's block table)."""
     pos, table = (inp.positions, inp.block_table) if inp.decode else (inp.positions.view(-1, 1), inp.token_table())
-    ent = torch.arange(n, device=pos.device).expand(*pos.shape, n)
-    rows = entry_loc(table, inp.block_tokens, ent, ratio)
-    return torch.where(ent < ((pos + 1) // ratio)[..., None], rows, -1).flatten(0, 1)
+    return entry_rows_ref(pos, table, inp.block_tokens, ratio, n)
 
 
 # ---- compressor and indexer ----
