@@ -502,7 +502,8 @@ def _cpu_cases():
         cases[f"mhc_post-T{T}-fp32-f"] = (check_mhc_post, dict(T=T, dtype=BF16, f_dtype=F32))
         cases[f"rope-T{T}-real-layout"] = (check_rope, dict(T=T, dtype=BF16, table=True, fp8=True,
                                                             H=2, DH=128, R=64, fb=64))
-        cases[f"step_tables-B{T}"] = (check_step_tables, dict(B=T, max_pos=200 if T < 7 else 40000))   # 7: 10 blocks of entries
+        # T = 7: 2500 entries, 10 blocks of 256
+        cases[f"step_tables-B{T}"] = (check_step_tables, dict(B=T, max_pos=200 if T < 7 else 40000))
         for E, k in ((8, 2), (16, 3), (12, 3)):
             for hashed in (False, True):
                 cases[f"route-T{T}-E{E}-k{k}-{'hash' if hashed else 'topk'}"] = (
