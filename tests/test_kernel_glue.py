@@ -504,6 +504,8 @@ def _cpu_cases():
                                                             H=2, DH=128, R=64, fb=64))
         # T = 7: 2500 entries, 10 blocks of 256
         cases[f"step_tables-B{T}"] = (check_step_tables, dict(B=T, max_pos=200 if T < 7 else 40000))
+        if T == 3:   # a window that is not a power of two (the kernel's lanes are) gets the torch tables
+            cases["step_tables-W6"] = (check_step_tables, dict(B=3, W=6))
         for E, k in ((8, 2), (16, 3), (12, 3)):
             for hashed in (False, True):
                 cases[f"route-T{T}-E{E}-k{k}-{'hash' if hashed else 'topk'}"] = (

@@ -16,14 +16,16 @@ from .common import cos_sin, entry_loc, gdc_enter, pdl_args
 
 # False: the torch references make the tables (bench/levers.py's lever)
 STEP_TABLES = True
+ENT_BLOCK = tl.constexpr(256)     # entry rows a program writes at a time
 
 
 @triton.jit
 def _step_tables_kernel(pos_ptr, slot_ptr, bt_ptr, stride_bt, n_blocks, block_tokens, invs, cos_outs, sin_outs,
-                        win_ptr, ent_outs, vis_outs, ROPE: tl.constexpr, W: tl.constexpr, ENT: tl.constexpr,
+                        win_ptr, ent_outs, ent_ns, vis_outs, ROPE: tl.constexpr, W: tl.constexpr, ENT: tl.constexpr,
                         VIS: tl.constexpr, USE_GDC: tl.constexpr = False):
     # ROPE: per angle table (entry ratio or 0, R/2, its power-of-two block); ENT: per entry-rows
-    # table (ratio, n, a block of at most 256 entries); VIS: ratios; W: window (0: none)
+    # table its ratio, and ent_ns its entry count n (a runtime int: n grows with the context, and
+    # a constexpr would compile again each time it does); VIS: ratios; W: window (0: none)
     gdc_enter(USE_GDC)
     b = tl.program_id(0)
     p = tl.load(pos_ptr + b)
@@ -40,14 +42,15 @@ def _step_tables_kernel(pos_ptr, slot_ptr, bt_ptr, stride_bt, n_blocks, block_to
         k = p - W + 1 + tl.arange(0, W)
         slot = tl.load(slot_ptr + b)
         tl.store(win_ptr + b * W + tl.arange(0, W), tl.where(k >= 0, slot * W + k % W, -1))
-    for j in tl.static_range(len(ENT)):               # entry_rows_ref, ENT[j][2] entries at a time
-        per_block = block_tokens // ENT[j][0]
-        for e0 in range(0, ENT[j][1], ENT[j][2]):
-            e = e0 + tl.arange(0, ENT[j][2])
+    for j in tl.static_range(len(ENT)):               # entry_rows_ref, ENT_BLOCK entries at a time
+        per_block = block_tokens // ENT[j]
+        n = ent_ns[j]
+        for e0 in range(0, n, ENT_BLOCK):
+            e = e0 + tl.arange(0, ENT_BLOCK)
             blk = tl.minimum(e // per_block, n_blocks - 1)
-            phys = tl.load(bt_ptr + b * stride_bt + blk, mask=e < ENT[j][1], other=0)
-            rows = tl.where(e < (p + 1) // ENT[j][0], phys * per_block + e % per_block, -1)
-            tl.store(ent_outs[j] + b * ENT[j][1] + e, rows, mask=e < ENT[j][1])
+            phys = tl.load(bt_ptr + b * stride_bt + blk, mask=e < n, other=0)
+            rows = tl.where(e < (p + 1) // ENT[j], phys * per_block + e % per_block, -1)
+            tl.store(ent_outs[j] + b * n + e, rows, mask=e < n)
     for j in tl.static_range(len(VIS)):               # visible entries
         tl.store(vis_outs[j] + b, (p + 1) // VIS[j])
 
@@ -59,7 +62,7 @@ def step_tables(positions, slots, block_table, block_tokens: int, plan) -> dict:
     if not STEP_TABLES:
         return step_tables_ref(positions, slots, block_table, block_tokens, plan)
     B, dev = positions.shape[0], positions.device
-    out, invs, coss, sins, rope, ents, ent_k, viss, vis_k, win, W = {}, [], [], [], [], [], [], [], [], None, 0
+    out, invs, coss, sins, rope, ents, ent_k, ent_n, viss, vis_k, win, W = {}, [], [], [], [], [], [], [], [], [], None, 0
     for item in plan:
         if item[0] == "rope":
             _, key, inv, ratio = item
@@ -77,17 +80,20 @@ def step_tables(positions, slots, block_table, block_tokens: int, plan) -> dict:
             _, ratio, n = item
             ents.append(torch.empty(B, n, dtype=torch.long, device=dev))
             out[item[:2]] = ents[-1]
-            ent_k.append((ratio, n, min(256, triton.next_power_of_2(max(n, 1)))))
+            ent_k.append(ratio)
+            ent_n.append(n)
         else:
             viss.append(torch.empty(B, dtype=torch.long, device=dev))
             out[item] = viss[-1]
             vis_k.append(item[1])
-    assert W == 0 or W & (W - 1) == 0, "the window is a power of two"
+    if W & (W - 1):      # the kernel's window lanes are tl.arange(0, W): a power of two
+        return step_tables_ref(positions, slots, block_table, block_tokens, plan)
     if B:
         bt = block_table.contiguous()
         _step_tables_kernel[(B,)](positions.reshape(B).contiguous(), slots.contiguous(), bt, bt.stride(0), bt.shape[1],
                                   block_tokens, tuple(invs), tuple(coss), tuple(sins), win if win is not None else bt,
-                                  tuple(ents), tuple(viss), ROPE=tuple(rope), W=W, ENT=tuple(ent_k), VIS=tuple(vis_k),
+                                  tuple(ents), tuple(ent_n), tuple(viss), ROPE=tuple(rope), W=W, ENT=tuple(ent_k),
+                                  VIS=tuple(vis_k),
                                   num_warps=1, **pdl_args())
     return out
 
