@@ -50,7 +50,7 @@ SUM_IN_DOWN_MAX_T = 64
 # Tokens up to which the shared expert's SwiGLU and down projection run as the down kernel's last
 # program row (fused_moe's `shared_expert`): two launches fewer a layer; past it one program per
 # 128 hidden rows would carry every token. 0: always apart (the model's step reads takes_shared).
-SHARED_IN_DOWN_MAX_T = 64
+SHARED_IN_DOWN_MAX_T = 0      # off: measured slower (H200, 2026-12-05: +0.11 ms at C = 1, +3.6 ms at C = 64, bench/RESULTS.md); tokens up to which the down kernel makes the shared expert
 _SIGN: tl.constexpr = tl.constexpr(0x80008000)
 _MAG: tl.constexpr = tl.constexpr(0x01C001C0)
 
