@@ -325,7 +325,14 @@ def test_fp32_and_bf16_load_and_agree(ckpt, fp32_model):
     # near-tie may move one position further, so that is tolerated, a general drift is not.
     assert err.median() < 0.03, err
     assert (err < 0.05).float().mean() >= 0.9, err
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+    # the greedy token agrees wherever fp32's top two are further apart than bf16's error there
+    # (a random tiny model has many near-ties; which of them flip depends on the CPU's bf16 GEMMs:
+    # with AMX, 4 of these 16 positions did, each inside its error)
+    top2 = a.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    flips = a.argmax(-1) != b.argmax(-1)
+    assert not (flips & (margin > 2 * (b - a).abs().amax(-1))).any(), (margin[flips], (b - a).abs().amax(-1)[flips])
+    assert flips.float().mean() <= 0.5
 
 
 def _e4m3_table():
