@@ -4,7 +4,11 @@ Each step runs every sequence that is past its prefill (one token each) and, wit
 budget (`max_num_batched_tokens`, the decode rows counted first), prefill chunks of as many
 sequences as fit: first those already running (the next chunk of a long prompt, or a
 preempted sequence's recompute), then the waiting queue in order. A chunk is at most
-`chunk_size` tokens (default: the whole budget). The runner feeds all of it to the model in one call.
+`chunk_size` tokens (default: the whole budget). A chunk may run past the budget by up to the
+step's decode rows to finish its prompt, so that a prompt which fits the budget alone is not cut
+to leave a tail of that many tokens for a step of its own (an eager prefill step costs its
+launches whatever its size); the step's prefill tokens stay within the budget. The runner feeds
+all of it to the model in one call.
 Cache blocks are taken as sequences grow; when the pool runs dry the most recently
 arrived running sequence is preempted (its cache freed, its tokens recomputed later).
 A prefill never preempts: it waits for blocks.
@@ -71,7 +75,7 @@ class Scheduler:
         plan = Plan()
         plan.decode = self._grow_decoders(plan)
         plan.prefill = self._prefills(self.max_num_batched_tokens - len(plan.decode),
-                                      len(plan.decode) < len(self.running))
+                                      len(plan.decode) < len(self.running), slack=len(plan.decode))
         return plan
 
     def _decoders(self) -> tuple[list[Sequence], list[int]]:
@@ -121,13 +125,14 @@ class Scheduler:
             ready.add(id(seq))
         return [s for s in self.running if id(s) in ready]
 
-    def _prefills(self, budget: int, partial: bool = True) -> list[tuple[Sequence, int, int]]:
+    def _prefills(self, budget: int, partial: bool = True, slack: int = 0) -> list[tuple[Sequence, int, int]]:
         """Chunks within `budget` tokens: running sequences' next chunks, then new ones from the
         waiting queue while slots last. Stops at the first that has no blocks (first come, first
         served: a later, smaller prompt does not overtake it). Chunks that may record prompt
         logprobs share at most logit_tokens a step (chunk_size, at most PROMPT_LOGITS_TOKENS): each
         of their tokens costs a [V] fp32 logits row. partial: whether any running sequence is not
-        decoding this step (else, the steady state, none has a chunk to look for)."""
+        decoding this step (else, the steady state, none has a chunk to look for). slack: tokens
+        past the budget a chunk may take to finish its prompt (the decode rows'), once in all."""
         chunks, logit_room = [], self.logit_tokens
         queue = [s for s in self.running if s.num_computed < s.num_tokens and not s.in_decode] if partial else []
         while budget > 0:
@@ -140,17 +145,22 @@ class Scheduler:
                 break
             logits = seq.prompt_logprobs is not None and seq.num_computed < len(seq.prompt_ids)
             cap = min(budget, logit_room) if logits else budget
-            if cap == 0 or (chunk := self._chunk(seq, cap)) is None:
+            if cap == 0 or (chunk := self._chunk(seq, cap, 0 if logits else slack)) is None:
                 break
             chunks.append(chunk)
+            slack -= max(0, chunk[2] - cap)
             budget -= chunk[2]
             logit_room -= chunk[2] if logits else 0
         return chunks
 
-    def _chunk(self, seq: Sequence, budget: int) -> tuple[Sequence, int, int] | None:
-        """seq's next chunk of at most `budget` tokens, its blocks taken (a waiting sequence is
-        admitted: slot, running) -> (seq, start, n), or None where the pool has no room for it."""
-        n = min(self.chunk_size, seq.num_tokens - seq.num_computed, budget)
+    def _chunk(self, seq: Sequence, budget: int, slack: int = 0) -> tuple[Sequence, int, int] | None:
+        """seq's next chunk of at most `budget` tokens (`slack` more where that finishes its prompt),
+        its blocks taken (a waiting sequence is admitted: slot, running) -> (seq, start, n), or None
+        where the pool has no room for it."""
+        rest = seq.num_tokens - seq.num_computed
+        n = min(self.chunk_size, rest, budget)
+        if n < rest <= min(self.chunk_size, budget + slack):
+            n = rest
         need = self.cache.blocks_needed(seq.num_computed + n) - len(seq.blocks)
         if need > 0 and not self.cache.can_allocate(need):
             return None  # wait for decoders to finish; never preempt for a prefill

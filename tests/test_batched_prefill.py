@@ -85,17 +85,27 @@ def test_sixteen_prompts_prefill_in_one_call(llm):
 
 
 def test_budget_splits_prefills_and_mixes_decode_rows(tiny_ckpt):
-    """A budget of 24 tokens and chunks of at most 10: every call stays within the budget, several
-    sequences share calls, decode rows ride in the prefill calls (mixed steps), same tokens."""
+    """A budget of 24 tokens and chunks of at most 10: every call's prefill tokens stay within the
+    budget (its decode rows within the budget too but for a chunk that finishes its prompt),
+    several sequences share calls, decode rows ride in the prefill calls (mixed steps), same tokens."""
     llm = _llm(tiny_ckpt, max_num_seqs=6, chunk_size=10, max_num_batched_tokens=24)
     V = llm.model.cfg.vocab_size
     prompts = [_ids(V, n, 200 + n) for n in (3, 30, 11, 5, 22, 9)]
     alone = _alone(llm, prompts)
-    calls = Calls(llm)
+    calls, plans, schedule = Calls(llm), [], llm.engine.scheduler.schedule
+
+    def recorded():
+        plan = schedule()
+        plans.append((len(plan.decode), sum(n for _, _, n in plan.prefill)))
+        return plan
+    llm.engine.scheduler.schedule = recorded
     outs = llm.generate(prompts, GREEDY)
+    del llm.engine.scheduler.schedule
     calls.close()
     sizes = [sum(len(r) for r in s["ids"]) for s in calls.prefills()]
-    assert max(sizes) <= 24 and max(max(len(r) for r in s["ids"]) for s in calls.prefills()) <= 10
+    assert max(p for _, p in plans) <= 24 and max(d + p for d, p in plans) <= 24 + 5
+    assert sorted(sizes) == sorted(d + p for d, p in plans if p)
+    assert max(max(len(r) for r in s["ids"]) for s in calls.prefills()) <= 10
     assert len(calls.prefills()) < len(prompts) + 2          # one at a time would take 9 chunks
     mixed = [s for s in calls.prefills() if any(len(r) == 1 and p[0] > 0 for r, p in zip(s["ids"], s["positions"]))]
     assert mixed, "no decode row rode in a prefill call"
@@ -227,6 +237,41 @@ def test_scheduler_budget_and_prompt_logprob_room(tiny_ckpt):
     for s in seqs:
         sched.finish(s, "abort")
     assert len(llm.cache.free_slots) == 8 and llm.cache.can_allocate(llm.cache.num_blocks - 1)
+
+
+def test_a_prompt_that_fits_the_budget_is_not_cut_by_decode_rows(tiny_ckpt):
+    """With d decode rows in the step, a prompt of up to the whole budget still prefills in one
+    step (a chunk may pass the budget by the decode rows' count to finish its prompt; the step's
+    prefill tokens stay within it): no tail of d tokens left for a step of its own. A longer
+    prompt is cut at the budget less the decode rows; prompt-logprob chunks take no slack."""
+    from engine.sequence import Sequence
+
+    llm = _llm(tiny_ckpt, max_num_seqs=8, max_num_batched_tokens=40)
+    sched = llm.engine.scheduler
+    runs = [Sequence(f"d{i}", 0, [2, 3, 4], SamplingParams(max_tokens=8)) for i in range(3)]
+    for s in runs:
+        sched.add(s)
+    for s, a, n in sched.schedule().prefill:
+        s.num_computed = a + n
+        s.output_ids.append(5)                              # each decodes from now on
+    whole, longer = (Sequence("w", 0, list(range(2, 42)), SamplingParams(max_tokens=2)),
+                     Sequence("x", 0, list(range(2, 44)), SamplingParams(max_tokens=2)))
+    sched.add(whole)
+    plan = sched.schedule()
+    assert len(plan.decode) == 3 and [(s.request_id, a, n) for s, a, n in plan.prefill] == [("w", 0, 40)]
+    whole.num_computed = 40
+    sched.add(longer)
+    plan = sched.schedule()                                  # (w, prefilled, samples nothing here)
+    assert len(plan.decode) == 3 and [(s.request_id, a, n) for s, a, n in plan.prefill] == [("x", 0, 37)]
+    lp = Sequence("p", 0, list(range(2, 42)), SamplingParams(max_tokens=2, prompt_logprobs=0))
+    lp.prompt_logprobs = [None]
+    for s in (longer, whole):
+        sched.finish(s, "abort")
+    sched.add(lp)
+    assert [(s.request_id, a, n) for s, a, n in sched.schedule().prefill] == [("p", 0, 37)]
+    for s in runs + [lp]:
+        sched.finish(s, "abort")
+    assert len(llm.cache.free_slots) == 8
 
 
 def test_default_chunk_is_the_budget(tiny_ckpt):
