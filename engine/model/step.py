@@ -183,7 +183,8 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, 
                      cache.kv, a.inv_freq, x.dtype, ops, num)
     W = cache.window.shape[1]
     if inp.decode:
-        kv_a, idx_a = cache.window.flatten(0, 1), inp.once(("window rows", W), lambda: window_rows(inp, W))
+        kv_a = cache.window.flatten(0, 1)
+        idx_a = inp.once(("window rows", W), lambda: window_rows_ref(inp.positions, inp.slots, W))     # [B,W]
     else:
         kv_a, idx_a = chunk_window(kv, inp, cache.window)
     kv_b = cache.kv.flatten(0, 1) if a.compressor is not None else None
@@ -228,11 +229,6 @@ def output(a: Attention, o: torch.Tensor, proj, ops: Ops, num: Numerics) -> torc
     if small and proj.get("wo") is not None:
         return all_reduce(ops.proj_gemm(z, proj["wo"])["wo_b"])
     return all_reduce(linear(a.wo_b, z, ops, num))                                          # [B,S,D]
-
-
-def window_rows(inp: StepInputs, W: int) -> torch.Tensor:
-    """Decode: each row's window keys as flat rows of the [slots * W, Dh] ring, -1 before 0 -> [B,W]."""
-    return window_rows_ref(inp.positions, inp.slots, W)
 
 
 def chunk_window(kv: torch.Tensor, inp: StepInputs, ring: torch.Tensor):
