@@ -339,7 +339,10 @@ def run_all(args, bw) -> list[dict]:
 
 
 def tree_label(tree: Path) -> str:
-    """A tree's short commit, or its folder name where it is no git checkout (git archive)."""
+    """A tree's short commit, or its folder name where it is no git checkout (git archive: git
+    would answer with the commit of a checkout around it)."""
+    if not (tree / ".git").exists():
+        return tree.name
     try:
         out = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=30)

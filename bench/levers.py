@@ -13,6 +13,7 @@ LEVERS = {
     "head_kernel": ("engine.kernels.mhc_pre", "HEAD_KERNEL", False),        # the head's torch ops
     "kv_prep": ("engine.kernels.kv_prep", "KV_PREP", False),                 # rope_qkv, compressors, rope_q apart
     "step_tables": ("engine.kernels.step_tables", "STEP_TABLES", False),     # the tables by torch ops
+    "swiglu_w2": ("engine.model.step", "W2_GROUP_MAX_M", 0),                 # swiglu kernel + cuBLAS w2
 }
 
 

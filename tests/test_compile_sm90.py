@@ -27,7 +27,7 @@ CASES = ("mhc_pre-T1-bfloat16", "mhc_pre-T3-bfloat16", "mhc_post-T3-bfloat16", "
          "route-T1-E16-k3-topk", "route-T3-E8-k4-hashdup", "mhc_head-T3-bfloat16", "kv_prep-T3-csa",
          "kv_prep-T1-hca", "step_tables-B3", "step_tables-B7")
 # (test module, interp_* check) of the other kernel files (the default kernel set's)
-CHECKS = (("test_kernel_proj", "interp_proj"), ("test_kernel_fused_moe", "interp_mxfp4"),
+CHECKS = (("test_kernel_proj", "interp_proj"), ("test_kernel_proj", "interp_swiglu_w2"), ("test_kernel_fused_moe", "interp_mxfp4"),
           ("test_kernel_fused_moe", "interp_shared"), ("test_kernel_fused_moe", "interp_sum_in_down"),
           ("test_kernel_fused_moe", "interp_align"), ("test_kernel_fused_moe", "interp_shared_in_down"),
           ("test_kernel_gemm", "interp_bf16"), ("test_kernel_indexer", "interp_scores"),

@@ -149,7 +149,28 @@ def interp_proj():
         check_group(pg.proj_gemm(x, p, norm=(nw, 1e-6), unfused=True), refs)
 
 
-@pytest.mark.parametrize("check_name", ["interp_proj"])
+def check_swiglu(p, M, K, limit, dtype=torch.bfloat16, device="cpu", seed=0, **kw):
+    """The w2 group on SwiGLU(g, u) made in its K loop == the SwiGLU kernel then the group (the
+    same bits: the same rounding to x's dtype, then the same FP8 rows), and the reference."""
+    from engine.kernels.swiglu import swiglu_act
+    g, u = rand_x(M, K, dtype, device, seed=seed), rand_x(M, K, dtype, device, seed=seed + 1)
+    got = pg.proj_gemm(g, p, swiglu=(u, limit), **kw)
+    want = pg.proj_gemm(swiglu_act(g, u, limit, False, dtype), p, **kw)
+    assert all(torch.equal(got[k], want[k]) for k in want), (M, limit, kw)
+    check_group(got, pg.proj_gemm_ref(g, p, swiglu=(u, limit)))
+    return got
+
+
+def interp_swiglu_w2():
+    for act in (True, False):
+        _, p = group("one", 256, act=act, sizes=dict(out=256))
+        for M, limit in ((1, 0.0), (3, 2.0), (17, 2.0)):
+            for split_k in (1, 2):
+                check_swiglu(p, M, 256, limit, split_k=split_k)
+        check_swiglu(p, 2, 256, 2.0, unfused=True)          # prefill's path: the SwiGLU kernel first
+
+
+@pytest.mark.parametrize("check_name", ["interp_proj", "interp_swiglu_w2"])
 def test_interpreter(check_name):
     run_child(__file__, check_name)
 
@@ -193,6 +214,26 @@ def test_gpu_real_groups(name, M):
         for split_k in (None, 1):
             check_group(pg.proj_gemm(x, p, norm=(nw, 1e-6), split_k=split_k), refs)
         check_group(pg.proj_gemm(x, p, norm=(nw, 1e-6), unfused=M < pg.UNFUSED_M), refs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("M", [1, 5, 16, 64])
+def test_gpu_w2_swiglu(M):
+    """The shared expert's w2 (one rank: 4096 x 256, FP8) on its SwiGLU made in the K loop == the
+    SwiGLU kernel then the same group, bit for bit, at the step's sizes; graph replay == eager."""
+    K, sizes = REAL["w2"][1:]
+    _, p = group("one", K, "cuda", sizes=sizes)
+    for limit in (0.0, 1.0):
+        check_swiglu(p, M, K, limit, device="cuda", seed=M)
+    g, u = (rand_x(M, K, device="cuda", seed=s) for s in (30, 31))
+    eager = pg.proj_gemm(g, p, swiglu=(u, 1.0), workspace="aux")["w"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pg.proj_gemm(g, p, swiglu=(u, 1.0), workspace="aux")["w"]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
 
 
 @pytest.mark.gpu

@@ -210,10 +210,12 @@ class SplitKWorkspace:
 
 def get_workspace(workspace, partial_numel, n_tickets, device):
     """The given workspace, or the device's shared one (scratch buffers), grown to fit. Kernels on
-    one stream run one after another and leave the tickets at zero, so all of them can share it."""
-    if workspace is None:
-        return SplitKWorkspace(0, 0, device, partials=scratch("splitk.partials", device, partial_numel, torch.float32),
-                               tickets=scratch("splitk.tickets", device, n_tickets, torch.int32, zero=True))
+    one stream run one after another and leave the tickets at zero, so all of them can share it;
+    a GEMM that may run beside them on another stream names a shared one of its own (a str)."""
+    if workspace is None or isinstance(workspace, str):
+        name = "splitk" if workspace is None else f"splitk.{workspace}"
+        return SplitKWorkspace(0, 0, device, partials=scratch(f"{name}.partials", device, partial_numel, torch.float32),
+                               tickets=scratch(f"{name}.tickets", device, n_tickets, torch.int32, zero=True))
     workspace.check(partial_numel, n_tickets)
     return workspace
 

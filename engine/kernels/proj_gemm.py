@@ -39,6 +39,7 @@ from .act_sim import fp8_sim
 from .bf16_gemm import _dot, bf16_gemm
 from .fp8_gemm import load_block_scale, quant_e4m3_rows
 from .rms_norm import rms_norm, rms_norm_ref
+from .swiglu import swiglu_act, swiglu_act_ref
 
 QBLOCK = 128          # FP8 scale block and the activation rounding block
 ROW_ALIGN = 64        # region boundaries: a multiple of every BLOCK_N the plans take
@@ -170,6 +171,35 @@ def _k_loop_codes(xq_row, xs_row, w_row, s_row, s_ptr, rm, cm, kb0, kb1, acc):
 
 
 @triton.jit
+def _k_loop_swiglu(g_row, u_row, w_row, s_row, s_ptr, rm, cm, kb0, kb1, acc, limit,
+                   ACT: tl.constexpr, SW_ROUND: tl.constexpr, FP8_DOT: tl.constexpr):
+    """FP8 rows against silu(min(g, limit)) * clamp(u, +-limit), made per 128-deep block from g and
+    u [BM, K] (the shared expert's w1 and w3 outputs) and rounded to their dtype as
+    kernels/swiglu.py's kernel does; ACT: then to e4m3 per 128 channels (fp8_sim's rounding), and
+    at M tiles of up to 16 rows dotted as codes on the FP8 tensor cores (as _fp8_dot). The
+    shared expert's w2 in one launch, without the activation's own kernel and round trip."""
+    kk = tl.arange(0, _QB)
+    ty = g_row.dtype.element_ty
+    for kb in range(kb0, kb1):
+        k = kb * _QB + kk
+        w = tl.load(w_row + k[None, :], mask=cm[:, None], other=0.0)                 # [BN, 128]
+        sb = load_block_scale(s_ptr, s_row + kb, cm, True)
+        g = tl.minimum(tl.load(g_row + k[None, :], mask=rm[:, None], other=0.0).to(tl.float32), limit)
+        u = tl.load(u_row + k[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        h = round_to(g / (1.0 + tl.exp(-g)) * u, ty)                               # [BM, 128], x's values
+        if ACT and FP8_DOT:
+            q, sa = quant_e4m3_rows(h, SW_ROUND)
+            acc += tl.dot(q, tl.trans(w)) * sa[:, None] * sb[None, :]
+        else:
+            if ACT:
+                q, sa = quant_e4m3_rows(h, SW_ROUND)
+                h = q.to(tl.float32) * sa[:, None]                                   # exact in x's dtype
+            acc += _dot(h.to(ty), w, tl.zeros_like(acc)) * sb[None, :]
+    return acc
+
+
+@triton.jit
 def _k_loop(x_row, w_row, s_row, s_ptr, rm, cm, kb0, kb1, acc,
             FP8: tl.constexpr, ACT: tl.constexpr, SW_ROUND: tl.constexpr, NORM: tl.constexpr, nw_ptr, rstd,
             FP8_DOT: tl.constexpr = False):
@@ -191,11 +221,11 @@ def _k_loop(x_row, w_row, s_row, s_ptr, rm, cm, kb0, kb1, acc,
 
 @triton.jit
 def _proj_kernel(x_ptr, xa_ptr, xq_ptr, xs_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr, lo_ptr, hi_ptr, part_ptr,
-                 ticket_ptr, nw_ptr, M, N, K, n8, n_act, n_lo, kb_per_split, n_split,
-                 stride_xm, stride_s8, eps,
+                 ticket_ptr, nw_ptr, u_ptr, M, N, K, n8, n_act, n_lo, kb_per_split, n_split,
+                 stride_xm, stride_um, stride_s8, eps, limit,
                  ACT8: tl.constexpr, SW_ROUND: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr,
-                 PRE_ACT: tl.constexpr, PRE_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 ALIGN: tl.constexpr, USE_GDC: tl.constexpr = False):
+                 PRE_ACT: tl.constexpr, PRE_Q: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, ALIGN: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n0 = pid_n * BLOCK_N
@@ -213,7 +243,11 @@ def _proj_kernel(x_ptr, xa_ptr, xq_ptr, xs_ptr, w8_ptr, s8_ptr, wd_ptr, meta_ptr
     # PRE_ACT (large M, or x's producer rounded it): the act regions read xa, x rounded to e4m3
     # once, rather than every N tile rounding its own copy of the x tile again
     xa_row = xa_ptr + rows[:, None] * stride_xm
-    if n0 < n8:
+    if SWIGLU:      # x is g, u_ptr u: every row FP8 (pack_proj of one FP8 projection)
+        acc = _k_loop_swiglu(x_row, u_ptr + rows[:, None] * stride_um, w8_ptr + cols.to(tl.int64)[:, None] * K,
+                             (cols // _QB) * stride_s8, s8_ptr, rm, cm, kb0, kb1, acc, limit, ACT8, SW_ROUND,
+                             BLOCK_M <= 16)
+    elif n0 < n8:
         if PRE_Q and ACT8 and BLOCK_M <= 16:   # x's e4m3 codes and scales, made by its producer
             acc = _k_loop_codes(xq_ptr + rows[:, None] * K, xs_ptr + rows * (K // _QB),
                                 w8_ptr + cols.to(tl.int64)[:, None] * K, (cols // _QB) * stride_s8, s8_ptr,
@@ -296,7 +330,7 @@ def proj_plan(M, N, K, device=None, block_m=None, block_n=None, split_k=None, nu
                     num_stages or (4 if M <= 16 else 2 if large else 3), large if pre_act is None else pre_act)
 
 
-def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None, xa=None, xq=None,
+def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None, xa=None, xq=None, swiglu=None,
               **plan_kw) -> dict:
     """x [..., K] -> {name: [..., out]}: each projection of the group, in x's dtype (lo) or fp32
     (hi). norm = (weight [K], eps): the group reads rms_norm(x, weight, eps), normed in the
@@ -305,7 +339,15 @@ def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None,
     [..., K/128], contiguous) of xa (mhc_pre's act_q): the FP8 rows dot them on the FP8 tensor
     cores, at M tiles of up to 16 rows (else ignored). K must be a multiple of 128 (else the
     reference runs). From UNFUSED_M tokens (prefill; unfused=True/False forces it) each
-    projection is its own cuBLAS GEMM instead (proj_unfused)."""
+    projection is its own cuBLAS GEMM instead (proj_unfused). swiglu = (u [..., K], limit): the
+    group reads swiglu_act(x, u, limit) in x's dtype instead of x (the shared expert's w2 on its
+    w1 and w3 outputs), made in the kernel's K loop; a group of FP8 rows only (else, or with norm /
+    xa, or from UNFUSED_M tokens, the activation kernel runs first). workspace: a SplitKWorkspace,
+    or a name for a shared one of its own (a GEMM beside the step's stream: common.get_workspace)."""
+    if swiglu is not None:
+        assert swiglu[0].shape == x.shape, (tuple(swiglu[0].shape), tuple(x.shape))
+        if norm is not None or xa is not None or p.n8 != p.N or p.K % QBLOCK:
+            x, swiglu = swiglu_act(x, swiglu[0], swiglu[1], False, x.dtype), None
     if p.K % QBLOCK or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return proj_gemm_ref(x, p, norm)
     lead = x.shape[:-1]
@@ -317,7 +359,14 @@ def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None,
     xa2 = xa.reshape(-1, p.K) if xa is not None else None
     if xa2 is not None and xa2.stride() != x2.stride():     # the kernel reads both with x's row stride
         x2, xa2 = x2.contiguous(), xa2.contiguous()
+    if swiglu is not None:
+        u2 = swiglu[0].reshape(-1, p.K)
+        if u2.stride(-1) != 1:
+            u2 = u2.contiguous()
+        xq = None
     if (M >= UNFUSED_M if unfused is None else unfused) and p.dense is not None:
+        if swiglu is not None:
+            x2 = swiglu_act(x2, u2, swiglu[1], False, x2.dtype)
         return proj_unfused(x2, p, norm, lead, xa2)
     lo = torch.empty(M * p.lo_width, dtype=x.dtype, device=x.device)
     hi = torch.empty(M * p.hi_width, dtype=torch.float32, device=x.device)
@@ -325,7 +374,7 @@ def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None,
         pl = proj_plan(M, p.N, p.K, x.device, **plan_kw)
         split = pl.split > 1
         ws = get_workspace(workspace, pl.split * M * p.N, pl.grid[0] * pl.grid[1], x.device) if split else None
-        pre = (pl.pre_act or xa2 is not None) and p.n_act > 0 and norm is None
+        pre = (pl.pre_act or xa2 is not None) and p.n_act > 0 and norm is None and swiglu is None
         xa = (xa2 if xa2 is not None else fp8_sim(x2, QBLOCK)) if pre else x2   # the act rows' input, rounded once
         pre_q = xq is not None and pre and pl.block_m <= 16
         if pre_q:
@@ -335,13 +384,18 @@ def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None,
             x2, xa, xq[0] if pre_q else x2, xq[1] if pre_q else x2,
             p.w8 if p.w8 is not None else x2, p.s8 if p.s8 is not None else x2,
             p.wd if p.wd is not None else x2, p.meta, lo, hi, ws.partials if split else hi,
-            ws.tickets if split else hi, norm[0] if norm is not None else x2,
+            ws.tickets if split else hi, norm[0] if norm is not None else x2, u2 if swiglu is not None else x2,
             M, p.N, p.K, p.n8, p.n_act, p.n_lo, pl.kb_per_split, pl.split,
-            x2.stride(0), p.s8.stride(0) if p.s8 is not None else 0, norm[1] if norm is not None else 0.0,
+            x2.stride(0), u2.stride(0) if swiglu is not None else 0, p.s8.stride(0) if p.s8 is not None else 0,
+            norm[1] if norm is not None else 0.0, _limit(swiglu[1]) if swiglu is not None else 0.0,
             ACT8=p.n_act >= p.n8 > 0, SW_ROUND=interpreting(), SPLIT=split, NORM=norm is not None,
-            PRE_ACT=pre, PRE_Q=pre_q, BLOCK_M=pl.block_m, BLOCK_N=pl.block_n, ALIGN=ROW_ALIGN, num_warps=pl.num_warps,
+            PRE_ACT=pre, PRE_Q=pre_q, SWIGLU=swiglu is not None, BLOCK_M=pl.block_m, BLOCK_N=pl.block_n, ALIGN=ROW_ALIGN, num_warps=pl.num_warps,
             num_stages=pl.num_stages, **pdl_args())
     return split_outputs(p, lo, hi, lead)
+
+
+def _limit(limit: float) -> float:
+    return limit if limit > 0 else float("inf")      # SwiGLU's clamp; 0: none (swiglu.py's convention)
 
 
 def proj_unfused(x2: torch.Tensor, p: Proj, norm, lead, xa=None) -> dict:
@@ -361,9 +415,12 @@ def proj_unfused(x2: torch.Tensor, p: Proj, norm, lead, xa=None) -> dict:
     return res
 
 
-def proj_gemm_ref(x: torch.Tensor, p: Proj, norm=None, **_) -> dict:
-    """Torch reference: rms_norm(x) when normed, then each projection's math on its dequantised
-    rows, fp32 accumulate (fp64 for an fp64 model); lo outputs cast to x's dtype."""
+def proj_gemm_ref(x: torch.Tensor, p: Proj, norm=None, swiglu=None, **_) -> dict:
+    """Torch reference: swiglu_act_ref(x, *swiglu) in x's dtype when given, rms_norm(x) when
+    normed, then each projection's math on its dequantised rows, fp32 accumulate (fp64 for an
+    fp64 model); lo outputs cast to x's dtype."""
+    if swiglu is not None:
+        x = swiglu_act_ref(x, swiglu[0], swiglu[1], False, x.dtype)
     if norm is not None:
         x = rms_norm_ref(x, *norm)
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32

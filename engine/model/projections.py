@@ -17,7 +17,10 @@ Per block, up to five groups, each a single launch at decode:
   wo_a's output: each one launch (wo's rounds its input to e4m3 and dots the FP8 rows on the FP8
   tensor cores) instead of cuBLAS with its split-K reduce (and, for wo_b, act_sim before it).
   Taken up to WO_GROUP_MAX_M tokens (bench/proj.py --groups wo_a,wo_b: bench/RESULTS.md).
-The lone w2 stays on cuBLAS (bench/proj.py: no faster packed, slower at M = 64).
+- "w2", the shared expert's w2 (FP8 rows only) on its SwiGLU, which the kernel makes from the w1
+  and w3 outputs in its K loop (proj_gemm's swiglu): one launch instead of the activation kernel
+  and cuBLAS, up to W2_GROUP_MAX_M tokens (bench/proj.py: the lone w2 is no faster packed than on
+  cuBLAS, slower at M = 64; the launch is what this saves).
 Prefill-sized steps (proj_gemm.UNFUSED_M tokens on) run the attn and ffn groups as one GEMM per
 projection (cuBLAS, on the Linears' dequantised weights): there the GEMMs are compute-bound and
 the kernel's weight-stream tiles are 2-4x slower (bench/RESULTS.md).
@@ -37,6 +40,7 @@ from .linear import Linear
 
 Q_GROUP_MAX_M = 16      # tokens in a step up to which the q group runs packed (see above)
 WO_GROUP_MAX_M = 16     # and the wo_a / wo groups (bench/proj.py: faster than cuBLAS at 1-16 tokens, slower at 64)
+W2_GROUP_MAX_M = 16     # and the w2 group with its SwiGLU (bench/decode.py --ab swiglu_w2, read as step.py's)
 CODES_MAX_M = 16        # tokens up to which the x and FFN groups' FP8 rows dot x's e4m3 codes (16-row tiles)
 
 
@@ -94,15 +98,22 @@ def q_segments(b: Block, num: Numerics, fp8: bool) -> list:
     return segs if len({(s[2] is not None, s[3]) for s in segs}) == 1 else []
 
 
+def w2_segments(b: Block, num: Numerics, fp8: bool) -> list:
+    s = b.ffn.shared_experts
+    if s is None or not fp8 or fp8_rows(s.w2) is None:    # the SwiGLU K loop reads FP8 rows only
+        return []
+    return [_linear("w2", s.w2, num, fp8)]
+
+
 def pack_block(b: Block, num: Numerics, fp8: bool) -> dict:
-    """-> {"attn": Proj, "ffn": Proj or None, "q": Proj or None, "wo_a": Proj or None, "wo": Proj};
-    the dense rows' module weights become views of it."""
+    """-> {"attn": Proj, "ffn": Proj or None, "q": Proj or None, "wo_a": Proj or None, "wo": Proj,
+    "w2": Proj or None}; the dense rows' module weights become views of it."""
     out = {}
     a = b.attn
     for group, segs in (("attn", attn_segments(b, num, fp8)), ("ffn", ffn_segments(b, num, fp8)),
                         ("q", q_segments(b, num, fp8)),
                         ("wo_a", [_linear("wo_a", a.wo_a, num, False)] if a.n_groups == 1 else []),
-                        ("wo", [_linear("wo_b", a.wo_b, num, fp8)])):
+                        ("wo", [_linear("wo_b", a.wo_b, num, fp8)]), ("w2", w2_segments(b, num, fp8))):
         segs.sort(key=lambda s: (s[2] is not None, s[3], s[4]), reverse=True)     # region order
         if not segs:
             out[group] = None

@@ -34,7 +34,7 @@ from .indexer import Indexer
 from .kv_cache import LayerCache, StepInputs
 from .linear import Linear
 from .moe import MoE
-from .projections import Q_GROUP_MAX_M, WO_GROUP_MAX_M, takes_codes
+from .projections import Q_GROUP_MAX_M, W2_GROUP_MAX_M, WO_GROUP_MAX_M, takes_codes
 
 
 def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) -> torch.Tensor:
@@ -72,7 +72,7 @@ def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Op
     e = b.ffn.experts        # the FFN input's FP8 rounding feeds the shared expert's rows and the fused MoE
     act = ffn is not None and ffn.n_act > 0 or e.packed is not None and num.act_fp8 and e.quantized
     x, xa, xq, post, comb = hc_pre(b, h, "ffn", ops, act, takes_codes(ffn, T), mix)
-    f = moe(b.ffn, x, xa, xq, ffn, inp.ids, ops, num)
+    f = moe(b.ffn, x, xa, xq, ffn, inp.ids, ops, num, w2=b.proj.get("w2"))
     if nxt is None:             # no mix for what reads the streams next (the head mixes itself)
         return ops.mhc_post(f, h, post, comb, after=ops.side), None
     return ops.mhc_post(f, h, post, comb, after=ops.side, mix=nxt)
@@ -315,10 +315,10 @@ def indexer_select(ix: Indexer, y: dict, q: torch.Tensor, inp: StepInputs, cache
 
 # ---- MoE ----
 def moe(m: MoE, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, ids: torch.Tensor, ops: Ops,
-        num: Numerics) -> torch.Tensor:
+        num: Numerics, w2=None) -> torch.Tensor:
     """x [B,S,D] (xa: its FP8 rounding, or None; xq: that as codes and scales, or None), ids [B,S]
-    (hash routing) -> [B,S,D] fp32 (the reference casts it to x's dtype; mhc_post does): routed
-    experts + shared expert, one all-reduce."""
+    (hash routing), w2: the shared expert's w2 group (or None) -> [B,S,D] fp32 (the reference casts
+    it to x's dtype; mhc_post does): routed experts + shared expert, one all-reduce."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])                                                          # [T,D]
     xa = xa.reshape(x.shape) if xa is not None else None
@@ -329,10 +329,13 @@ def moe(m: MoE, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, ids: torch.T
     inline = None                # small steps: the fused MoE's down kernel makes the shared expert's output
     if s is not None and packed is not None and s.w2.weight is not None and takes_shared(x.shape[0], s.w2.weight):
         inline = (y["w1"], y["w3"], s.w2.weight, s.limit, num.act_fp8 and s.w2.fp8_gemm)
-    elif s is not None:          # SwiGLU, rounded for w2's FP8 input in one kernel; w2; added in the MoE sum
-        act = num.act_fp8 and s.w2.fp8_gemm
-        with beside(ops):        # beside the routed experts, which it does not read
-            shared = linear(s.w2, ops.swiglu_act(y["w1"], y["w3"], s.limit, act, x.dtype), ops, num, rounded=act)
+    elif s is not None:          # w2 on the SwiGLU, added in the MoE sum; beside the routed experts
+        with beside(ops):        # (which it does not read), so its split-K takes a workspace of its own
+            if w2 is not None and x.shape[0] <= W2_GROUP_MAX_M:      # SwiGLU in w2's K loop: one launch
+                shared = ops.proj_gemm(y["w1"], w2, swiglu=(y["w3"], s.limit), workspace="aux")["w2"]
+            else:                # SwiGLU, rounded for w2's FP8 input in one kernel; w2
+                act = num.act_fp8 and s.w2.fp8_gemm
+                shared = linear(s.w2, ops.swiglu_act(y["w1"], y["w3"], s.limit, act, x.dtype), ops, num, rounded=act)
     if e.packed is not None:     # W4A16: in reference numerics only the input gets the FP8 rounding (block's xa)
         xin = xa if num.act_fp8 and e.quantized else x
         out = up(ops.fused_moe(xin, w, idx, e.packed, e.limit, shared=shared, aligned=aligned, shared_expert=inline,
