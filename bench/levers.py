@@ -14,6 +14,7 @@ LEVERS = {
     "kv_prep": ("engine.kernels.kv_prep", "KV_PREP", False),                 # rope_qkv, compressors, rope_q apart
     "step_tables": ("engine.kernels.step_tables", "STEP_TABLES", False),     # the tables by torch ops
     "swiglu_w2": ("engine.model.step", "W2_GROUP_MAX_M", 0),                 # swiglu kernel + cuBLAS w2
+    "w2_narrow": ("engine.model.step", "W2_PLAN", {}),                      # the w2 group on proj_plan's split-K
 }
 
 

@@ -16,6 +16,7 @@ import torch
 from conftest import rel_err
 from interp import patch_interpreter, run_child
 from engine.kernels import proj_gemm as pg
+from engine.model.projections import W2_PLAN
 from engine.model.formats import fp8_block_quant
 from engine.numerics import fp8_block_dequant, fp8_codes_ref, fp8_sim_ref as fp8_sim
 
@@ -167,6 +168,7 @@ def interp_swiglu_w2():
         for M, limit in ((1, 0.0), (3, 2.0), (17, 2.0)):
             for split_k in (1, 2):
                 check_swiglu(p, M, 256, limit, split_k=split_k)
+        check_swiglu(p, 3, 256, 2.0, block_n=64, split_k=1)  # the step's plan (projections.W2_PLAN)
         check_swiglu(p, 2, 256, 2.0, unfused=True)          # prefill's path: the SwiGLU kernel first
 
 
@@ -227,13 +229,15 @@ def test_gpu_w2_swiglu(M):
     for limit in (0.0, 1.0):
         check_swiglu(p, M, K, limit, device="cuda", seed=M)
     g, u = (rand_x(M, K, device="cuda", seed=s) for s in (30, 31))
-    eager = pg.proj_gemm(g, p, swiglu=(u, 1.0), workspace="aux")["w"]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = pg.proj_gemm(g, p, swiglu=(u, 1.0), workspace="aux")["w"]
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    for plan in ({}, W2_PLAN):
+        check_swiglu(p, M, K, 1.0, device="cuda", seed=M, **plan)
+        eager = pg.proj_gemm(g, p, swiglu=(u, 1.0), workspace="aux", **plan)["w"]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = pg.proj_gemm(g, p, swiglu=(u, 1.0), workspace="aux", **plan)["w"]
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
 
 
 @pytest.mark.gpu

@@ -41,6 +41,10 @@ from .linear import Linear
 Q_GROUP_MAX_M = 16      # tokens in a step up to which the q group runs packed (see above)
 WO_GROUP_MAX_M = 16     # and the wo_a / wo groups (bench/proj.py: faster than cuBLAS at 1-16 tokens, slower at 64)
 W2_GROUP_MAX_M = 16     # and the w2 group with its SwiGLU (bench/decode.py --ab swiglu_w2, read as step.py's)
+# The w2 group runs beside the routed experts: with proj_plan's split-K for ~2 programs per SM it
+# took every SM from them (H200, 2026-12-05, bench/decode.py --ab swiglu_w2: +0.10 ms a step at
+# C = 1, +0.07 at 16), so it keeps to one program per 64 rows, unsplit (64 programs).
+W2_PLAN = dict(block_n=64, split_k=1)
 CODES_MAX_M = 16        # tokens up to which the x and FFN groups' FP8 rows dot x's e4m3 codes (16-row tiles)
 
 

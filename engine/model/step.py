@@ -34,7 +34,7 @@ from .indexer import Indexer
 from .kv_cache import LayerCache, StepInputs
 from .linear import Linear
 from .moe import MoE
-from .projections import Q_GROUP_MAX_M, W2_GROUP_MAX_M, WO_GROUP_MAX_M, takes_codes
+from .projections import Q_GROUP_MAX_M, W2_GROUP_MAX_M, W2_PLAN, WO_GROUP_MAX_M, takes_codes
 
 
 def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) -> torch.Tensor:
@@ -332,7 +332,7 @@ def moe(m: MoE, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, ids: torch.T
     elif s is not None:          # w2 on the SwiGLU, added in the MoE sum; beside the routed experts
         with beside(ops):        # (which it does not read), so its split-K takes a workspace of its own
             if w2 is not None and x.shape[0] <= W2_GROUP_MAX_M:      # SwiGLU in w2's K loop: one launch
-                shared = ops.proj_gemm(y["w1"], w2, swiglu=(y["w3"], s.limit), workspace="aux")["w2"]
+                shared = ops.proj_gemm(y["w1"], w2, swiglu=(y["w3"], s.limit), workspace="aux", **W2_PLAN)["w2"]
             else:                # SwiGLU, rounded for w2's FP8 input in one kernel; w2
                 act = num.act_fp8 and s.w2.fp8_gemm
                 shared = linear(s.w2, ops.swiglu_act(y["w1"], y["w3"], s.limit, act, x.dtype), ops, num, rounded=act)
