@@ -27,8 +27,8 @@ rows print side by side, labelled by variant ("HEAD" and DIR's commit).
 (compile_step), at --compiled-batches (1 and 64), labelled "compiled".
 
 --ab post_mix,attn_splits,...: one lever's before and after in one run on one model: the step is
-captured once more with the lever off (LEVERS: the module constant it reads at launch) and the two
-graphs replay in alternation; "a+b" turns a group off together. --pdl-ab is --ab pdl.
+captured once more with the lever off (LEVERS: the module constant it reads at launch; on, for a
+lever off by default) and the two graphs replay in alternation; "a+b" turns a group off together. --pdl-ab is --ab pdl.
 """
 import argparse
 import contextlib
@@ -228,7 +228,7 @@ def average_step(replay, positions, ctx_len: int, n: int) -> float:
 
 
 def ab(run, replay_on, ctx_len, B, levers: str, rounds=5) -> dict:
-    """The same step captured again with each lever (or '+'-joined group of levers) off; each
+    """The same step captured again with each lever (or '+'-joined group of levers) flipped; each
     replayed in alternation with the step as it is (rounds of 20), so drift hits both alike ->
     {levers: (on ms, off ms)} medians, printed."""
     out = {}

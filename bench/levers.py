@@ -2,19 +2,20 @@
 programmatic dependent launch, or a module constant of this tree's kernels read at launch."""
 import contextlib
 
-# (module, name, the value that turns the lever off)
+# (module, name, the value that turns the lever off; for a lever off by default, the one that turns it on)
 LEVERS = {
     "post_mix": ("engine.kernels.mhc_post", "POST_MIX_MAX_T", 0),           # mhc_pre's mix GEMM instead
     "attn_splits": ("engine.kernels.sparse_attn", "MIN_KEYS_PER_SPLIT", 128),  # the earlier split plan
     "compress_split": ("engine.kernels.compressor", "CHANNELS_PER_PROGRAM", 1 << 30),  # one program a row
     "moe_rows_bf16": ("engine.kernels.fused_moe", "PAIR_ROWS_IN_MODEL_DTYPE", False),  # fp32 pair rows
-    "shared_in_down": ("engine.kernels.fused_moe", "SHARED_IN_DOWN_MAX_T", 0),  # SwiGLU + w2 apart, beside
     "router_one": ("engine.kernels.router", "ONE_TOKEN_SORT", False),       # one token: the generic pair sort
     "head_kernel": ("engine.kernels.mhc_pre", "HEAD_KERNEL", False),        # the head's torch ops
     "kv_prep": ("engine.kernels.kv_prep", "KV_PREP", False),                 # rope_qkv, compressors, rope_q apart
     "step_tables": ("engine.kernels.step_tables", "STEP_TABLES", False),     # the tables by torch ops
-    "swiglu_w2": ("engine.model.step", "W2_GROUP_MAX_M", 0),                 # swiglu kernel + cuBLAS w2
-    "w2_narrow": ("engine.model.step", "W2_PLAN", {}),                      # the w2 group on proj_plan's split-K
+    # off by default, so their --ab turns them on: the shared expert in the down kernel up to 64
+    # tokens (not beside it), the w2 group on its SwiGLU up to 16 (not the swiglu kernel + cuBLAS)
+    "shared_in_down": ("engine.kernels.fused_moe", "SHARED_IN_DOWN_MAX_T", 64),
+    "swiglu_w2": ("engine.model.step", "W2_GROUP_MAX_M", 16),
 }
 
 

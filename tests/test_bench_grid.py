@@ -86,3 +86,19 @@ def test_baseline_child_runs_this_script_on_the_other_tree(tmp_path, monkeypatch
     with pytest.raises(SystemExit, match="no engine"):
         decode.run_baseline(args)
     assert decode.tree_label(tmp_path) == tmp_path.name
+
+
+def test_levers_flip_a_constant_that_exists():
+    """Every --ab lever names a module constant the engine has and a value other than its default:
+    a lever set to the value it already has would time the same graph twice and report noise."""
+    from importlib import import_module
+
+    from levers import LEVERS, lever_off
+
+    for name, (module, attr, flipped) in LEVERS.items():
+        mod = import_module(module)
+        default = getattr(mod, attr)
+        assert flipped != default, f"lever {name}: {module}.{attr} is already {default!r}"
+        with lever_off(name):
+            assert getattr(mod, attr) == flipped
+        assert getattr(mod, attr) == default

@@ -20,7 +20,8 @@ Per block, up to five groups, each a single launch at decode:
 - "w2", the shared expert's w2 (FP8 rows only) on its SwiGLU, which the kernel makes from the w1
   and w3 outputs in its K loop (proj_gemm's swiglu): one launch instead of the activation kernel
   and cuBLAS, up to W2_GROUP_MAX_M tokens (bench/proj.py: the lone w2 is no faster packed than on
-  cuBLAS, slower at M = 64; the launch is what this saves).
+  cuBLAS, slower at M = 64; the launch is what this saves). Off by default (W2_GROUP_MAX_M = 0):
+  the step measured ~0.1 ms slower with it (below).
 Prefill-sized steps (proj_gemm.UNFUSED_M tokens on) run the attn and ffn groups as one GEMM per
 projection (cuBLAS, on the Linears' dequantised weights): there the GEMMs are compute-bound and
 the kernel's weight-stream tiles are 2-4x slower (bench/RESULTS.md).
@@ -40,10 +41,12 @@ from .linear import Linear
 
 Q_GROUP_MAX_M = 16      # tokens in a step up to which the q group runs packed (see above)
 WO_GROUP_MAX_M = 16     # and the wo_a / wo groups (bench/proj.py: faster than cuBLAS at 1-16 tokens, slower at 64)
-W2_GROUP_MAX_M = 16     # and the w2 group with its SwiGLU (bench/decode.py --ab swiglu_w2, read as step.py's)
-# The w2 group runs beside the routed experts: with proj_plan's split-K for ~2 programs per SM it
-# took every SM from them (H200, 2026-12-05, bench/decode.py --ab swiglu_w2: +0.10 ms a step at
-# C = 1, +0.07 at 16), so it keeps to one program per 64 rows, unsplit (64 programs).
+# The w2 group with its SwiGLU: off (0; code and tests kept, bench/decode.py --ab swiglu_w2 turns
+# it on). It saves a launch a layer yet measured slower in every A/B (2026-12-05, C = 1 / C = 16):
+# +0.10 / +0.07 ms a step with proj_plan's split-K (H200), +0.09 / +0.15 with W2_PLAN's one
+# program per 64 rows, unsplit (H100), +0.12 / +0.18 with that plan launched without PDL (H200),
+# where ~0 to -0.03 was predicted; why (it runs beside the routed experts) is not found.
+W2_GROUP_MAX_M = 0
 W2_PLAN = dict(block_n=64, split_k=1)
 CODES_MAX_M = 16        # tokens up to which the x and FFN groups' FP8 rows dot x's e4m3 codes (16-row tiles)
 
