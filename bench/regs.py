@@ -1,4 +1,5 @@
-"""Do the decode step's kernels spill? Registers and spills of every Triton launch, without a GPU.
+"""Do the decode step's kernels spill? Registers, spills and shared memory of every Triton launch,
+and so how many of its programs an SM can hold, without a GPU.
 
 A child process (TRITON_INTERPRET=1) builds one simulated TP=8 rank at the real dims (--layers
 blocks, random weights in the real formats, the kernels interpreted on the CPU) and runs a short
@@ -10,7 +11,9 @@ no software rounding, the fused MoE's asm decode, bf16 math).
 
     python bench/regs.py --layers 4 [--out bench/results/regs-sm90.json]     # ~15 min on 2 cores
 
-Static facts only (registers, spills, stack): speed still needs the GPU (bench/decode.py).
+Static facts only (registers, spills, stack, shared memory, programs an SM holds by them: Hopper's
+64K registers, 228 KB of shared memory with 1 KB reserved a program, 64 warps, 32 programs): speed
+still needs the GPU (bench/decode.py).
 """
 import argparse
 import importlib
@@ -85,7 +88,8 @@ def _tuples(v):
 
 
 def ptxas_report(spec: dict, arch: int = 90) -> dict:
-    """Compile one recorded launch for sm_<arch> -> {registers, spill_stores, spill_loads, stack}."""
+    """Compile one recorded launch for sm_<arch> -> {registers, spill_stores, spill_loads, stack,
+    shared (bytes a program), per_sm (programs an SM can hold)}."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -106,7 +110,16 @@ def ptxas_report(spec: dict, arch: int = 90) -> dict:
         out["registers"] = int(m[1])
     for m in re.finditer(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err):
         out.update(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]))
+    out["shared"] = k.metadata.shared
+    out["per_sm"] = per_sm(out.get("registers", 0), k.metadata.shared, spec["opts"].get("num_warps", 4))
     return out
+
+
+def per_sm(registers: int, shared: int, warps: int) -> int:
+    """Programs of one kernel an sm_90 SM can hold at once (the CUDA occupancy limits)."""
+    by_regs = 65536 // max(1, -(-registers // 8) * 8 * 32 * warps)       # registers go by 8 a thread
+    by_shared = 228 * 1024 // (shared + 1024)
+    return min(by_regs, by_shared, 64 // warps, 32)
 
 
 def _child(layers: int, path: str):
@@ -142,13 +155,14 @@ def main(argv=None):
         subprocess.run([sys.executable, __file__, "--layers", str(args.layers), "--record", path], env=env, check=True)
         specs = json.loads(Path(path).read_text())
     rows = []
-    print(f"{'calls':>5} {'kernel':<22} {'regs':>4} {'spill st/ld':>11}  constexprs (as on the GPU)")
+    print(f"{'calls':>5} {'kernel':<22} {'regs':>4} {'spill st/ld':>11} {'smem KB':>7} {'/SM':>3}  constexprs (as on the GPU)")
     for s in specs:
         r = {**s, **ptxas_report(s)}
         rows.append(r)
         c = {k: ON_GPU.get(k, v) for k, v in s["const"].items() if k.isupper() and k != "USE_GDC"}
         print(f"{s['calls']:>5} {s['name']:<22} {r.get('registers', '?'):>4} "
-              f"{r.get('spill_stores', 0):>5}/{r.get('spill_loads', 0):<5}  {s['opts']} {c}")
+              f"{r.get('spill_stores', 0):>5}/{r.get('spill_loads', 0):<5} {r['shared'] / 1024:>7.1f} {r['per_sm']:>3}  "
+              f"{s['opts']} {c}")
     if args.out:
         Path(args.out).write_text(json.dumps({"arch": "sm_90", "layers": args.layers, "rows": rows}, indent=1,
                                              default=str))

@@ -36,3 +36,15 @@ def test_a_launch_recorded_and_its_registers_read():
     assert 0 in s["div"] and s["sig"]["post_ptr"] == "*fp32"        # 16-byte aligned tensors, as Triton specialises
     r = regs.ptxas_report(s)
     assert 8 <= r["registers"] <= 255 and r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0
+    # a 4-warp program's limits: 16 by warps, then registers (by 8 a thread) and shared memory
+    assert 0 <= r["shared"] < 228 * 1024 and 1 <= r["per_sm"] <= 16
+    assert r["per_sm"] == min(16, 65536 // (-(-r["registers"] // 8) * 8 * 128), 228 * 1024 // (r["shared"] + 1024))
+
+
+def test_programs_an_sm_holds():
+    """The occupancy arithmetic against hand-worked cases (sm_90: 64K registers, 228 KB)."""
+    assert regs.per_sm(54, 73728, 4) == 3          # shared memory: 233472 // 74752
+    assert regs.per_sm(106, 53248, 4) == 4         # 112 registers x 128 threads: 4; shared: 4
+    assert regs.per_sm(254, 16384, 4) == 2         # registers: 65536 // (256 x 128)
+    assert regs.per_sm(16, 0, 4) == 16             # warps: 64 // 4
+    assert regs.per_sm(16, 0, 1) == 32             # programs: 32
