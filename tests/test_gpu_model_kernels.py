@@ -51,7 +51,7 @@ def test_kernels_match_references(tiny_ckpt, preset, numerics):
 
 @pytest.mark.parametrize("kernel", ["sparse_attn", "indexer", "fp8_gemm", "bf16_gemm", "fused_moe", "mhc",
                                     "rope_kv", "router", "act_sim", "compressor", "proj_gemm", "swiglu",
-                                    "step_tables"])
+                                    "step_tables", "embed"])
 def test_each_kernel_alone(tiny_ckpt, kernel):
     """One kernel on at a time (the rest torch): localises a mismatch to its kernel."""
     kernels = {"indexer": ["indexer", "sparse_attn"], "rope_kv": ["rope_kv", "sparse_attn"]}.get(kernel, [kernel])

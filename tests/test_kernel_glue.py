@@ -465,8 +465,31 @@ def check_rms_norm(T, D, dtype, weighted=True, dev="cpu"):
     return lambda: rms_norm(x, w, 1e-6)
 
 
+def check_embed(T, hc, dtype, dev="cpu", V=40, D=96, lo=20):
+    """embed (one launch) == Embedding's lookup then the streams' copy: this rank's rows [lo, lo + V)
+    looked up, every other id (below, above) zeros, in each of the hc copies; lo = 0, all ids ours:
+    exactly F.embedding."""
+    import torch.nn.functional as F
+    from engine.kernels.embed import embed, embed_ref
+    w = gen(dev, seed=T)(V, D).to(dtype)
+    ids = torch.cat((torch.tensor([lo, lo + V - 1, lo - 1, lo + V, 0]), torch.randint(0, 2 * lo + V, (T,))))[:T]
+    ids = ids.view(1, T).to(dev)
+    with poisoned():
+        got = embed(ids, w, lo, hc)
+    want = embed_ref(ids, w, lo, hc)
+    assert got.shape == want.shape == (1, T, hc, D) and got.dtype == dtype and torch.equal(got, want)
+    mine = (ids - lo >= 0) & (ids - lo < V)
+    assert torch.equal(got[0, :, 0], torch.where(mine[0, :, None], w[(ids[0] - lo).clamp(0, V - 1)], 0))
+    if T and not lo:
+        ours = ids.remainder(V)
+        assert torch.equal(embed(ours, w, 0, hc)[:, :, -1], F.embedding(ours, w))
+    return lambda: embed(ids, w, lo, hc)
+
+
 def _cpu_cases():
     cases = {"route_ties": (check_route_ties, {})}
+    for T, hc, dt in ((1, 4, BF16), (7, 1, F32), (5, 4, F32)):
+        cases[f"embed-T{T}-hc{hc}-{str(dt).split('.')[-1]}"] = (check_embed, dict(T=T, hc=hc, dtype=dt, lo=20 if T > 1 else 0))
     for dt in (F32, BF16):
         n = str(dt).split(".")[-1]
         for T, D in ((1, 64), (3, 96)):
@@ -711,6 +734,14 @@ def test_gpu_step_tables(T):
     """The per-row tables in one launch == the step's torch code (angles within fp32 ulps: the
     device's cos/sin are libdevice's either way), under graph replay too."""
     graph_equals_eager(check_step_tables(T, dev="cuda", W=128, bt=256, max_pos=65536))
+
+
+@pytest.mark.parametrize("T", TS)
+@on_gpu
+def test_gpu_embed(T):
+    """One TP=8 rank's vocab slice at the real width, 4 streams (decode) and 1 (prefill's path)."""
+    for hc in (4, 1):
+        graph_equals_eager(check_embed(T, hc, BF16, dev="cuda", V=16160, D=4096, lo=16160 * 3))
 
 
 @pytest.mark.parametrize("T", TS)

@@ -166,15 +166,26 @@ def interp_ties():
 
 def interp_fallback():
     """Rows wider than the register top-k take torch.topk; same outputs up to order."""
-    ix.TOPK_MAX_ROW = 1
+    ix.TOPK_MAX_ROW = ix.TOPK_IN_SCORE_MAX_ROW = 1
     interp_topk(n_split=1)
+
+
+def interp_variants():
+    """The top-k in the scores' launch (the row's last program) and in a launch of its own, each
+    with 8-bit and 1-bit radix passes: the same ids and rows as the reference, ties included."""
+    for fused in (True, False):
+        for bits in (8, 1):
+            ix.TOPK_IN_SCORE_MAX_ROW, ix.RADIX_BITS = (1 << 20) if fused else 0, bits
+            interp_topk()
+            interp_topk(n_split=3)
+            interp_ties()
 
 
 def _interpret(check: str):
     run_child(__file__, check)
 
 
-@pytest.mark.parametrize("check", ["interp_scores", "interp_topk", "interp_ties", "interp_fallback"])
+@pytest.mark.parametrize("check", ["interp_scores", "interp_topk", "interp_ties", "interp_fallback", "interp_variants"])
 def test_interpreter(check):
     _interpret(check)
 
@@ -211,6 +222,17 @@ def gpu_check(T, N, seed=0):
 @pytest.mark.parametrize("N", [256, 2048, 8192])
 @pytest.mark.parametrize("T", [1, 8, 64, 256])
 def test_gpu_real_shapes(T, N):
+    gpu_check(T, N)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fused,bits", [(True, 1), (False, 8), (False, 1)])
+@pytest.mark.parametrize("T,N", [(1, 2048), (64, 2048), (8, 4096)])
+def test_gpu_select_variants(T, N, fused, bits, monkeypatch):
+    """The default is the top-k in the scores' launch with 8-bit passes: here the others."""
+    monkeypatch.setattr(ix, "TOPK_IN_SCORE_MAX_ROW", 1 << 20 if fused else 0)
+    monkeypatch.setattr(ix, "RADIX_BITS", bits)
     gpu_check(T, N)
 
 

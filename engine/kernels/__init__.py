@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 KERNELS = ("sparse_attn", "indexer", "fp8_gemm", "bf16_gemm", "fused_moe", "mhc", "rope_kv", "router", "act_sim",
-           "compressor", "rms_norm", "rope_q", "proj_gemm", "swiglu", "step_tables")
+           "compressor", "rms_norm", "rope_q", "proj_gemm", "swiglu", "step_tables", "embed")
 DEFAULT = tuple(k for k in KERNELS if k != "fp8_gemm")
 _default: frozenset[str] | None = None
 # CPU tests run the whole model through the kernels under TRITON_INTERPRET=1 by setting this
@@ -84,6 +84,7 @@ class Ops:
     proj_gemm: Callable         # proj_gemm: (x, Proj) -> {name: y}, the projections sharing x in one GEMM
     swiglu_act: Callable        # swiglu: (g, u, limit, fp8, dtype) -> the shared expert's w2 input
     step_tables: Callable       # step_tables: a decode step's per-row tables (rope angles, window / entry rows)
+    embed: Callable             # embed: (ids, weight, lo, hc) -> the vocab-parallel lookup in hc stream copies
     side: object = None         # mhc on CUDA: a second stream, for mhc_pre's post and comb (its `side`)
     aux: object = None          # kernels on CUDA: a third, for chains of the step beside its main one
                                 # (engine.model.step.beside); a split-K GEMM there (the shared
@@ -132,4 +133,5 @@ _TABLE = {
     "proj_gemm": ("proj_gemm", "proj_gemm", "proj_gemm"),
     "swiglu_act": ("swiglu", "swiglu", "swiglu_act"),
     "step_tables": ("step_tables", "step_tables", "step_tables"),
+    "embed": ("embed", "embed", "embed"),
 }

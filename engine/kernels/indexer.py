@@ -5,13 +5,16 @@ scores[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s]) for s < max_entries, -inf fo
 the top-k entries become ids (-1 where none) and the flat store rows the sparse attention reads,
 loc = block_table[t, id // per_block] * per_block + id % per_block.
 
-One op, two launches:
+One op, one launch (two for rows wider than TOPK_IN_SCORE_MAX_ROW):
 - _score_kernel, one program per (row, run of key tiles): the [H, d] query tile is loaded once and
   reused over the run; each [BLOCK_N, d] key tile is gathered through the block table once for all
   heads and hits the tensor cores as one tl.dot (reading K once per head is the MQA mistake).
-- _topk_kernel, one program per row: radix select of the k-th largest score (32 counting passes
-  over the row held in registers), then a cumsum compaction, so ids come out in ascending order
-  (the attention gathers in memory order) with their store rows beside them.
+- the top-k of a row (_select), in the row's last score program to finish (a ticket per row, as
+  split-K's tickets: store, barrier, acq_rel atomic), or in _topk_kernel, one program per row,
+  for wide rows (more warps hold them): radix select of the k-th largest score over the row held
+  in registers, RADIX_BITS bits a pass (a histogram of the next digit among the keys that share
+  the bits chosen so far), then a cumsum compaction, so ids come out in ascending order (the
+  attention gathers in memory order) with their store rows beside them.
 Shapes are fixed per bucket (T, max_entries, topk are host ints) and nothing syncs with the host,
 so the op is CUDA-graph safe with the preallocated outputs and score buffer.
 """
@@ -20,18 +23,26 @@ import triton
 import triton.language as tl
 
 from engine.numerics import up
-from .common import gdc_enter, pdl_args, entry_loc, num_sms
+from .common import gdc_enter, pdl_args, entry_loc, num_sms, scratch
 
 BLOCK_N = 64                 # keys per tile: the M of the [BLOCK_N, d] x [d, H] dot
 RUN_TILES = 16               # most key tiles one score program walks
 TOPK_MAX_ROW = 16384         # widest score row the register-resident top-k takes; wider -> torch.topk
+# widest row whose top-k the last score program makes (its 4 warps hold the row: 32 keys a thread
+# at 4096); wider rows take _topk_kernel's launch with more warps. 0: always two launches
+TOPK_IN_SCORE_MAX_ROW = 4096
+# bits of the k-th largest key fixed per pass: 8 (four histograms of 256 bins) or 1 (32 counting
+# passes, each one block-wide sum: the kernel before the histograms)
+RADIX_BITS = 8
 
 
 @triton.jit
-def _score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, nv_ptr, s_ptr,
-                  H, D, N, per_block, max_blocks, tiles_per_prog, w_scale,
-                  stride_qt, stride_qh, stride_wt, stride_kr, stride_bt, stride_st,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: tl.constexpr = False):
+def _score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, nv_ptr, s_ptr, tk_ptr, ids_ptr, loc_ptr,
+                  H, D, N, K, per_block, max_blocks, tiles_per_prog, w_scale,
+                  stride_qt, stride_qh, stride_wt, stride_kr, stride_bt, stride_st, stride_it, stride_lt,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  TOPK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr,
+                  USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
     t = tl.program_id(0)
     offs_h = tl.arange(0, BLOCK_H)
@@ -62,6 +73,13 @@ def _score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, nv_ptr, s_ptr,
     for i in range(live, last):
         s = i * BLOCK_N + offs_n
         tl.store(s_ptr + t * stride_st + s, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=s < N)
+    if TOPK:    # the row's last program to finish selects (its ticket left at zero for the next launch)
+        tl.debug_barrier()                             # every thread's scores are out before the release
+        if tl.atomic_add(tk_ptr + t, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+            tl.store(tk_ptr + t, 0)
+            tl.debug_barrier()
+            _select(s_ptr + t * stride_st, bt_ptr + t * stride_bt, nv, ids_ptr + t * stride_it,
+                    loc_ptr + t * stride_lt, K, per_block, max_blocks, BLOCK_S, BLOCK_K, BITS)
 
 
 @triton.jit
@@ -72,24 +90,46 @@ def _order_key(x):
 
 
 @triton.jit
-def _topk_kernel(s_ptr, bt_ptr, nv_ptr, ids_ptr, loc_ptr, N, K, per_block, max_blocks,
-                 stride_st, stride_bt, stride_it, stride_lt,
-                 BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False):
-    gdc_enter(USE_GDC)
-    t = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_S)
-    nv = tl.minimum(tl.load(nv_ptr + t), N)
-    valid = offs < nv
-    key = _order_key(tl.load(s_ptr + t * stride_st + offs, mask=valid, other=float("-inf")))
-    k = tl.minimum(K, nv)
-    # Build the k-th largest key bit by bit from the top: keep a bit when at least k keys reach it.
+def _kth_key(key, valid, k, BLOCK_S: tl.constexpr, BITS: tl.constexpr):
+    """The k-th largest of the valid keys [BLOCK_S] (uint32; 0xFFFFFFFF when k = 0), built from the
+    top bits down: each pass fixes the next BITS bits, the largest digit d such that at least k
+    keys reach the prefix with d."""
     thr = tl.zeros([], tl.uint32)
-    bit = tl.full([], 0x80000000, tl.uint32)
-    for _ in range(32):
-        cand = thr | bit
-        cnt = tl.sum((valid & (key >= cand)).to(tl.int32), axis=0)
-        thr = tl.where(cnt >= k, cand, thr)
-        bit = bit >> 1
+    if BITS == 1:     # one block-wide count a bit: keep a bit when at least k keys reach it
+        bit = tl.full([], 0x80000000, tl.uint32)
+        for _ in range(32):
+            cand = thr | bit
+            cnt = tl.sum((valid & (key >= cand)).to(tl.int32), axis=0)
+            thr = tl.where(cnt >= k, cand, thr)
+            bit = bit >> 1
+    else:             # a histogram of the next digit among the keys that share the prefix so far
+        bins = tl.arange(0, 1 << BITS)
+        rem = k                                     # how many of the k are still to find under the prefix
+        for p in tl.static_range(32 // BITS):
+            shift = 32 - BITS * (p + 1)
+            same = valid
+            if p > 0:
+                same = valid & ((key >> (shift + BITS)) == (thr >> (shift + BITS)))
+            digit = ((key >> shift) & ((1 << BITS) - 1)).to(tl.int32)
+            hist = tl.histogram(digit, 1 << BITS, mask=same)                        # [2^BITS]
+            reach = tl.cumsum(hist, axis=0, reverse=True)                            # keys with digit >= b
+            d = tl.sum((reach >= rem).to(tl.int32), axis=0) - 1     # reach falls with b: its last >= rem
+            rem -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
+            thr = thr | (d.to(tl.uint32) << shift)
+        thr = tl.where(k > 0, thr, tl.full([], 0xFFFFFFFF, tl.uint32))
+    return thr
+
+
+@triton.jit
+def _select(s_row, bt_row, nv, ids_row, loc_row, K, per_block, max_blocks,
+            BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
+    """One row: its top min(K, nv) scores' ids (ascending) and store rows; -1 in the rest of K."""
+    offs = tl.arange(0, BLOCK_S)
+    valid = offs < nv
+    # .cg: read at L2, where the row's other score programs' stores landed (the fused path)
+    key = _order_key(tl.load(s_row + offs, mask=valid, other=float("-inf"), cache_modifier=".cg"))
+    k = tl.minimum(K, nv)
+    thr = _kth_key(key, valid, k, BLOCK_S, BITS)
     above = valid & (key > thr)
     tie = valid & (key == thr)
     # Ties at the threshold: the lowest ids fill what is left of k (torch.topk picks any).
@@ -97,13 +137,24 @@ def _topk_kernel(s_ptr, bt_ptr, nv_ptr, ids_ptr, loc_ptr, N, K, per_block, max_b
     take = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= room))
     slot = tl.cumsum(take.to(tl.int32), axis=0) - 1
     blk = tl.minimum(offs // per_block, max_blocks - 1)
-    phys = tl.load(bt_ptr + t * stride_bt + blk, mask=take, other=0).to(tl.int64)
-    tl.store(ids_ptr + t * stride_it + slot, offs, mask=take)
-    tl.store(loc_ptr + t * stride_lt + slot, phys * per_block + offs % per_block, mask=take)
+    phys = tl.load(bt_row + blk, mask=take, other=0).to(tl.int64)
+    tl.store(ids_row + slot, offs, mask=take)
+    tl.store(loc_row + slot, phys * per_block + offs % per_block, mask=take)
     rest = tl.arange(0, BLOCK_K)
     none = (rest >= k) & (rest < K)
-    tl.store(ids_ptr + t * stride_it + rest, tl.full([BLOCK_K], -1, tl.int32), mask=none)
-    tl.store(loc_ptr + t * stride_lt + rest, tl.full([BLOCK_K], -1, tl.int32), mask=none)
+    tl.store(ids_row + rest, tl.full([BLOCK_K], -1, tl.int32), mask=none)
+    tl.store(loc_row + rest, tl.full([BLOCK_K], -1, tl.int32), mask=none)
+
+
+@triton.jit
+def _topk_kernel(s_ptr, bt_ptr, nv_ptr, ids_ptr, loc_ptr, N, K, per_block, max_blocks,
+                 stride_st, stride_bt, stride_it, stride_lt,
+                 BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
+    t = tl.program_id(0)
+    nv = tl.minimum(tl.load(nv_ptr + t), N)
+    _select(s_ptr + t * stride_st, bt_ptr + t * stride_bt, nv, ids_ptr + t * stride_it, loc_ptr + t * stride_lt,
+            K, per_block, max_blocks, BLOCK_S, BLOCK_K, BITS)
 
 
 def indexer_scores(q, w, idx_k_store, block_table, per_block: int, n_visible, max_entries: int,
@@ -111,6 +162,12 @@ def indexer_scores(q, w, idx_k_store, block_table, per_block: int, n_visible, ma
     """q [T,H,d] bf16, w [T,H] (any float dtype; the head weights are w * w_scale in fp32),
     idx_k_store [rows,d] bf16, block_table [T,max_blocks] int, n_visible [T] int -> scores
     [T, max_entries] fp32 (written into out when given)."""
+    return _scores(q, w, idx_k_store, block_table, per_block, n_visible, max_entries, out, n_split, w_scale)
+
+
+def _scores(q, w, idx_k_store, block_table, per_block, n_visible, max_entries, out, n_split, w_scale, select=None):
+    """indexer_scores; select = (ids, loc, topk): the last score program of each row also writes
+    its top-k into ids and loc (_select)."""
     T, H, D = q.shape
     assert q.dtype in (torch.bfloat16, torch.float16) and idx_k_store.dtype == q.dtype
     assert q.stride(-1) == 1 and idx_k_store.stride(-1) == 1 and w.stride(-1) == 1 and block_table.stride(-1) == 1
@@ -122,12 +179,17 @@ def indexer_scores(q, w, idx_k_store, block_table, per_block: int, n_visible, ma
         n_split = min(n_tiles, max(triton.cdiv(4 * num_sms(q.device, cpu=4), T), triton.cdiv(n_tiles, RUN_TILES)))
     per_prog = triton.cdiv(n_tiles, n_split)
     grid = (T, triton.cdiv(n_tiles, per_prog))
-    _score_kernel[grid](q, w, idx_k_store, block_table, n_visible, out,
-                        H, D, max_entries, per_block, block_table.shape[1], per_prog, w_scale,
+    ids, loc, topk = select if select is not None else (out, out, 1)
+    tickets = scratch("indexer.tickets", q.device, T, torch.int32, zero=True) if select is not None else out
+    _score_kernel[grid](q, w, idx_k_store, block_table, n_visible, out, tickets, ids, loc,
+                        H, D, max_entries, topk, per_block, block_table.shape[1], per_prog, w_scale,
                         q.stride(0), q.stride(1), w.stride(0), idx_k_store.stride(0),
-                        block_table.stride(0), out.stride(0),
+                        block_table.stride(0), out.stride(0), ids.stride(0), loc.stride(0),
                         BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_D=max(16, triton.next_power_of_2(D)),
-                        BLOCK_N=BLOCK_N, num_warps=4, num_stages=3, **pdl_args())
+                        BLOCK_N=BLOCK_N, TOPK=select is not None,
+                        BLOCK_S=triton.next_power_of_2(max_entries) if select is not None else 16,
+                        BLOCK_K=triton.next_power_of_2(topk) if select is not None else 16, BITS=RADIX_BITS, num_warps=4, num_stages=3,
+                        **pdl_args())
     return out
 
 
@@ -152,15 +214,18 @@ def indexer_topk(q, w, idx_k_store, block_table, per_block: int, n_visible, topk
     assert idx_k_store.shape[0] < 2 ** 31, "loc is int32"
     ids = torch.empty(T, topk, dtype=torch.int32, device=q.device) if out_ids is None else out_ids
     loc = torch.empty(T, topk, dtype=torch.int32, device=q.device) if out_loc is None else out_loc
-    scores = indexer_scores(q, w, idx_k_store, block_table, per_block, n_visible, max_entries, score_buf, n_split,
-                            w_scale)
     width = triton.next_power_of_2(max_entries)
+    if width <= TOPK_IN_SCORE_MAX_ROW:     # one launch: the scores' last program per row selects
+        _scores(q, w, idx_k_store, block_table, per_block, n_visible, max_entries, score_buf, n_split, w_scale,
+                select=(ids, loc, topk))
+        return ids, loc
+    scores = _scores(q, w, idx_k_store, block_table, per_block, n_visible, max_entries, score_buf, n_split, w_scale)
     if width > TOPK_MAX_ROW:
         _topk_torch(scores, block_table, per_block, n_visible, topk, ids, loc)
         return ids, loc
     _topk_kernel[(T,)](scores, block_table, n_visible, ids, loc, max_entries, topk, per_block, block_table.shape[1],
                        scores.stride(0), block_table.stride(0), ids.stride(0), loc.stride(0),
-                       BLOCK_S=width, BLOCK_K=triton.next_power_of_2(topk),
+                       BLOCK_S=width, BLOCK_K=triton.next_power_of_2(topk), BITS=RADIX_BITS,
                        num_warps=max(1, min(16, width // 512)), **pdl_args())
     return ids, loc
 

@@ -42,7 +42,7 @@ def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) 
     (all_logits: [B,1,V]). Prefill: of each row's last token, in row order [B,V]; all_logits (a
     bool, or one per row) adds every token of those rows, still in order: [L,V]."""
     ops, num = model.ops, model.numerics
-    h = model.embed(inp.ids)[:, :, None, :].expand(-1, -1, model.cfg.hc_mult, -1).contiguous()   # [B,S,hc,D]
+    h = embed(model, inp.ids, ops)                                                          # [B,S,hc,D]
     mix, layers = None, list(model.layers)
     head_mix = model.head_mix() if inp.decode else None     # prefill's head reads only some rows
     if inp.decode:      # the per-row tables every layer reads (StepInputs.once finds them), one launch
@@ -54,6 +54,21 @@ def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) 
     if not inp.decode:
         return model.step_logits(h[0, inp.logit_tokens(all_logits)])                       # [L,V]
     return model.step_logits(h if all_logits else h[:, -1], mix)
+
+
+# Tokens up to which the embedding's launch writes all hc streams before the all-reduce: hc times
+# its bytes, up to 512 KB at 16 tokens, where an all-reduce costs its latency, not its bytes; past
+# it, the all-reduce of one copy and then the streams' copy (one launch more).
+EMBED_STREAMS_MAX_T = 16
+
+
+def embed(model, ids: torch.Tensor, ops: Ops) -> torch.Tensor:
+    """ids [B,S] -> the hc residual streams [B,S,hc,D], each the token's embedding (vocab-parallel:
+    every rank's rows, one all-reduce)."""
+    e, hc = model.embed, model.cfg.hc_mult
+    if ids.numel() <= EMBED_STREAMS_MAX_T:
+        return all_reduce(ops.embed(ids, e.weight, e.lo, hc))
+    return all_reduce(ops.embed(ids, e.weight, e.lo, 1)).expand(-1, -1, hc, -1).contiguous()
 
 
 def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Ops, num: Numerics,
