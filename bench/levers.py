@@ -13,12 +13,12 @@ LEVERS = {
     "kv_prep": ("engine.kernels.kv_prep", "KV_PREP", False),                 # rope_qkv, compressors, rope_q apart
     "step_tables": ("engine.kernels.step_tables", "STEP_TABLES", False),     # the tables by torch ops
     "embed_kernel": ("engine.kernels.embed", "EMBED_KERNEL", False),         # the lookup and the copy by torch ops
-    "topk_in_score": ("engine.kernels.indexer", "TOPK_IN_SCORE_MAX_ROW", 0),  # the top-k in a launch of its own
-    "radix8": ("engine.kernels.indexer", "RADIX_BITS", 1),                   # the top-k's 32 one-bit passes
     # off by default, so their --ab turns them on: the shared expert in the down kernel up to 64
-    # tokens (not beside it), the w2 group on its SwiGLU up to 16 (not the swiglu kernel + cuBLAS)
+    # tokens (not beside it), the w2 group on its SwiGLU up to 16 (not the swiglu kernel + cuBLAS),
+    # the indexer's top-k in its scores' launch for rows up to 4096 entries
     "shared_in_down": ("engine.kernels.fused_moe", "SHARED_IN_DOWN_MAX_T", 64),
     "swiglu_w2": ("engine.model.step", "W2_GROUP_MAX_M", 16),
+    "topk_in_score": ("engine.kernels.indexer", "TOPK_IN_SCORE_MAX_ROW", 4096),  # the top-k in the scores' launch
 }
 
 

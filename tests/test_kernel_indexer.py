@@ -171,14 +171,13 @@ def interp_fallback():
 
 
 def interp_variants():
-    """The top-k in the scores' launch (the row's last program) and in a launch of its own, each
-    with 8-bit and 1-bit radix passes: the same ids and rows as the reference, ties included."""
+    """The top-k in the scores' launch (the row's last program) and in a launch of its own: the same
+    ids and rows as the reference, ties included."""
     for fused in (True, False):
-        for bits in (8, 1):
-            ix.TOPK_IN_SCORE_MAX_ROW, ix.RADIX_BITS = (1 << 20) if fused else 0, bits
-            interp_topk()
-            interp_topk(n_split=3)
-            interp_ties()
+        ix.TOPK_IN_SCORE_MAX_ROW = (1 << 20) if fused else 0
+        interp_topk()
+        interp_topk(n_split=3)
+        interp_ties()
 
 
 def _interpret(check: str):
@@ -227,12 +226,11 @@ def test_gpu_real_shapes(T, N):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("fused,bits", [(True, 1), (False, 8), (False, 1)])
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("T,N", [(1, 2048), (64, 2048), (8, 4096)])
-def test_gpu_select_variants(T, N, fused, bits, monkeypatch):
-    """The default is the top-k in the scores' launch with 8-bit passes: here the others."""
+def test_gpu_select_variants(T, N, fused, monkeypatch):
+    """The top-k in the scores' launch and in a launch of its own, whichever is the default."""
     monkeypatch.setattr(ix, "TOPK_IN_SCORE_MAX_ROW", 1 << 20 if fused else 0)
-    monkeypatch.setattr(ix, "RADIX_BITS", bits)
     gpu_check(T, N)
 
 

@@ -5,15 +5,14 @@ scores[t, s] = sum_h w[t, h] * relu(q[t, h] . K[s]) for s < max_entries, -inf fo
 the top-k entries become ids (-1 where none) and the flat store rows the sparse attention reads,
 loc = block_table[t, id // per_block] * per_block + id % per_block.
 
-One op, one launch (two for rows wider than TOPK_IN_SCORE_MAX_ROW):
+One op, two launches (one for rows up to TOPK_IN_SCORE_MAX_ROW, off by default):
 - _score_kernel, one program per (row, run of key tiles): the [H, d] query tile is loaded once and
   reused over the run; each [BLOCK_N, d] key tile is gathered through the block table once for all
   heads and hits the tensor cores as one tl.dot (reading K once per head is the MQA mistake).
 - the top-k of a row (_select), in the row's last score program to finish (a ticket per row, as
   split-K's tickets: store, barrier, acq_rel atomic), or in _topk_kernel, one program per row,
   for wide rows (more warps hold them): radix select of the k-th largest score over the row held
-  in registers, RADIX_BITS bits a pass (a histogram of the next digit among the keys that share
-  the bits chosen so far), then a cumsum compaction, so ids come out in ascending order (the
+  in registers (32 counting passes), then a cumsum compaction, so ids come out in ascending order (the
   attention gathers in memory order) with their store rows beside them.
 Shapes are fixed per bucket (T, max_entries, topk are host ints) and nothing syncs with the host,
 so the op is CUDA-graph safe with the preallocated outputs and score buffer.
@@ -29,11 +28,10 @@ BLOCK_N = 64                 # keys per tile: the M of the [BLOCK_N, d] x [d, H]
 RUN_TILES = 16               # most key tiles one score program walks
 TOPK_MAX_ROW = 16384         # widest score row the register-resident top-k takes; wider -> torch.topk
 # widest row whose top-k the last score program makes (its 4 warps hold the row: 32 keys a thread
-# at 4096); wider rows take _topk_kernel's launch with more warps. 0: always two launches
-TOPK_IN_SCORE_MAX_ROW = 4096
-# bits of the k-th largest key fixed per pass: 8 (four histograms of 256 bins) or 1 (32 counting
-# passes, each one block-wide sum: the kernel before the histograms)
-RADIX_BITS = 8
+# at 4096); wider rows take _topk_kernel's launch. 0 (the default): always two launches, since one
+# measured slower in the 43-layer step (H100, 2026-12-06, bench/RESULTS.md: +0.014 ms at C = 1,
+# +0.17 at C = 64, for 21 launches fewer); bench/levers.py's topk_in_score turns it on at 4096
+TOPK_IN_SCORE_MAX_ROW = 0
 
 
 @triton.jit
@@ -41,7 +39,7 @@ def _score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, nv_ptr, s_ptr, tk_ptr, ids_ptr, l
                   H, D, N, K, per_block, max_blocks, tiles_per_prog, w_scale,
                   stride_qt, stride_qh, stride_wt, stride_kr, stride_bt, stride_st, stride_it, stride_lt,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  TOPK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr,
+                  TOPK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
                   USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
     t = tl.program_id(0)
@@ -79,7 +77,7 @@ def _score_kernel(q_ptr, w_ptr, k_ptr, bt_ptr, nv_ptr, s_ptr, tk_ptr, ids_ptr, l
             tl.store(tk_ptr + t, 0)
             tl.debug_barrier()
             _select(s_ptr + t * stride_st, bt_ptr + t * stride_bt, nv, ids_ptr + t * stride_it,
-                    loc_ptr + t * stride_lt, K, per_block, max_blocks, BLOCK_S, BLOCK_K, BITS)
+                    loc_ptr + t * stride_lt, K, per_block, max_blocks, BLOCK_S, BLOCK_K)
 
 
 @triton.jit
@@ -90,46 +88,30 @@ def _order_key(x):
 
 
 @triton.jit
-def _kth_key(key, valid, k, BLOCK_S: tl.constexpr, BITS: tl.constexpr):
-    """The k-th largest of the valid keys [BLOCK_S] (uint32; 0xFFFFFFFF when k = 0), built from the
-    top bits down: each pass fixes the next BITS bits, the largest digit d such that at least k
-    keys reach the prefix with d."""
+def _kth_key(key, valid, k):
+    """The k-th largest of the valid keys (uint32; 0xFFFFFFFF when k = 0), built bit by bit from the
+    top: keep a bit when at least k keys reach it (one block-wide count a bit). Fixing 8 bits a
+    pass instead (four tl.histogram passes of 256 bins) measured slower: bench/RESULTS.md."""
     thr = tl.zeros([], tl.uint32)
-    if BITS == 1:     # one block-wide count a bit: keep a bit when at least k keys reach it
-        bit = tl.full([], 0x80000000, tl.uint32)
-        for _ in range(32):
-            cand = thr | bit
-            cnt = tl.sum((valid & (key >= cand)).to(tl.int32), axis=0)
-            thr = tl.where(cnt >= k, cand, thr)
-            bit = bit >> 1
-    else:             # a histogram of the next digit among the keys that share the prefix so far
-        bins = tl.arange(0, 1 << BITS)
-        rem = k                                     # how many of the k are still to find under the prefix
-        for p in tl.static_range(32 // BITS):
-            shift = 32 - BITS * (p + 1)
-            same = valid
-            if p > 0:
-                same = valid & ((key >> (shift + BITS)) == (thr >> (shift + BITS)))
-            digit = ((key >> shift) & ((1 << BITS) - 1)).to(tl.int32)
-            hist = tl.histogram(digit, 1 << BITS, mask=same)                        # [2^BITS]
-            reach = tl.cumsum(hist, axis=0, reverse=True)                            # keys with digit >= b
-            d = tl.sum((reach >= rem).to(tl.int32), axis=0) - 1     # reach falls with b: its last >= rem
-            rem -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
-            thr = thr | (d.to(tl.uint32) << shift)
-        thr = tl.where(k > 0, thr, tl.full([], 0xFFFFFFFF, tl.uint32))
+    bit = tl.full([], 0x80000000, tl.uint32)
+    for _ in range(32):
+        cand = thr | bit
+        cnt = tl.sum((valid & (key >= cand)).to(tl.int32), axis=0)
+        thr = tl.where(cnt >= k, cand, thr)
+        bit = bit >> 1
     return thr
 
 
 @triton.jit
 def _select(s_row, bt_row, nv, ids_row, loc_row, K, per_block, max_blocks,
-            BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
+            BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr):
     """One row: its top min(K, nv) scores' ids (ascending) and store rows; -1 in the rest of K."""
     offs = tl.arange(0, BLOCK_S)
     valid = offs < nv
     # .cg: read at L2, where the row's other score programs' stores landed (the fused path)
     key = _order_key(tl.load(s_row + offs, mask=valid, other=float("-inf"), cache_modifier=".cg"))
     k = tl.minimum(K, nv)
-    thr = _kth_key(key, valid, k, BLOCK_S, BITS)
+    thr = _kth_key(key, valid, k)
     above = valid & (key > thr)
     tie = valid & (key == thr)
     # Ties at the threshold: the lowest ids fill what is left of k (torch.topk picks any).
@@ -149,12 +131,12 @@ def _select(s_row, bt_row, nv, ids_row, loc_row, K, per_block, max_blocks,
 @triton.jit
 def _topk_kernel(s_ptr, bt_ptr, nv_ptr, ids_ptr, loc_ptr, N, K, per_block, max_blocks,
                  stride_st, stride_bt, stride_it, stride_lt,
-                 BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr, USE_GDC: tl.constexpr = False):
+                 BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False):
     gdc_enter(USE_GDC)
     t = tl.program_id(0)
     nv = tl.minimum(tl.load(nv_ptr + t), N)
     _select(s_ptr + t * stride_st, bt_ptr + t * stride_bt, nv, ids_ptr + t * stride_it, loc_ptr + t * stride_lt,
-            K, per_block, max_blocks, BLOCK_S, BLOCK_K, BITS)
+            K, per_block, max_blocks, BLOCK_S, BLOCK_K)
 
 
 def indexer_scores(q, w, idx_k_store, block_table, per_block: int, n_visible, max_entries: int,
@@ -188,7 +170,7 @@ def _scores(q, w, idx_k_store, block_table, per_block, n_visible, max_entries, o
                         BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_D=max(16, triton.next_power_of_2(D)),
                         BLOCK_N=BLOCK_N, TOPK=select is not None,
                         BLOCK_S=triton.next_power_of_2(max_entries) if select is not None else 16,
-                        BLOCK_K=triton.next_power_of_2(topk) if select is not None else 16, BITS=RADIX_BITS, num_warps=4, num_stages=3,
+                        BLOCK_K=triton.next_power_of_2(topk) if select is not None else 16, num_warps=4, num_stages=3,
                         **pdl_args())
     return out
 
@@ -225,7 +207,7 @@ def indexer_topk(q, w, idx_k_store, block_table, per_block: int, n_visible, topk
         return ids, loc
     _topk_kernel[(T,)](scores, block_table, n_visible, ids, loc, max_entries, topk, per_block, block_table.shape[1],
                        scores.stride(0), block_table.stride(0), ids.stride(0), loc.stride(0),
-                       BLOCK_S=width, BLOCK_K=triton.next_power_of_2(topk), BITS=RADIX_BITS,
+                       BLOCK_S=width, BLOCK_K=triton.next_power_of_2(topk),
                        num_warps=max(1, min(16, width // 512)), **pdl_args())
     return ids, loc
 
