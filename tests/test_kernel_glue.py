@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT))
 from engine.kernels.bf16_gemm import split_bf16  # noqa: E402
 from engine.kernels.act_sim import fp4_sim, fp4_sim_ref, fp8_sim, fp8_sim_ref  # noqa: E402
 from engine.numerics import fp8_codes_ref  # noqa: E402
-from engine.kernels.mhc_post import POST_MIX_BLOCK_D, POST_MIX_MAX_T, mhc_post, mhc_post_ref  # noqa: E402
+from engine.kernels.mhc_post import (POST_MIX_BLOCK_D, POST_MIX_MAX_T, POST_PRE_MAX_T, mhc_post, mhc_post_pre,  # noqa: E402
+                                     mhc_post_pre_ref, mhc_post_ref)
 from engine.kernels.mhc_pre import ROLES_MAX_T, mhc_head, mhc_head_ref, mhc_pre, mhc_pre_ref  # noqa: E402
 from engine.kernels.rope_kv import rope_qkv, rope_qkv_ref  # noqa: E402
 from engine.kernels.router import route, route_ref  # noqa: E402
@@ -169,6 +170,50 @@ def check_mhc_post_mix(T, dtype, D=96, dev="cpu", tb=None, block_d=32, lo=True):
         y, m = mhc_post(f, res, post, comb, mix=(hi, lo_, 1e-6), tokens_per_program=tb, mix_block_d=block_d)
         return y, m.parts.clone()
     return run
+
+
+def check_mhc_post_pre(T, dtype, D=128, dev="cpu", block_d=32, act=True, lo=True, side=None):
+    """mhc_post_pre (mhc_post, then the next mhc_pre, one launch): its streams are mhc_post's bit for
+    bit; y, post, comb (and the FP8 rounding act_out / act_q) are mhc_pre's bit for bit given those
+    streams and the partials the launch left; all of it against the references. side: a stream for
+    post and comb (GPU), joined before the comparison."""
+    r = gen(dev)
+    f, res = r(T, D).to(dtype), r(T, 4, D).to(dtype)
+    post, comb = 2 * torch.sigmoid(r(T, 4)), sinkhorn_ref(r(T, 4, 4), 20, 1e-6)
+    hi, lo_ = split_bf16(r(24, 4 * D, s=0.6 / (4 * D) ** 0.5))
+    lo_ = lo_ if lo else None
+    pre = (hi, lo_, 1 + r(3, s=0.1), r(24, s=0.5), (1 + r(D, s=0.05)).to(dtype), 20, 1e-6, 1e-6)
+
+    def bufs():
+        if not act:
+            return None, None
+        return (torch.empty(T, D, dtype=dtype, device=dev),
+                (torch.empty(T, D, device=dev).to(torch.float8_e4m3fn), torch.empty(T, D // 128, device=dev)))
+
+    def run():
+        xa, xq = bufs()
+        h, y = mhc_post_pre(f, res, post, comb, *pre, act_out=xa, act_q=xq, side=side, block_d=block_d)
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
+        from engine.kernels.bf16_gemm import MixPartials
+        parts = MixPartials.buffer(res.device, -(-D // block_d), T, 24).clone() if 0 < T <= POST_PRE_MAX_T else None
+        return (h, *y) + ((xa, *xq) if act else ()), parts
+
+    with poisoned():
+        got, parts = run()
+        assert torch.equal(got[0], mhc_post(f, res, post, comb))
+        if parts is not None:       # the one-launch path: the collapse is mhc_pre's given its inputs
+            from engine.kernels.bf16_gemm import MixPartials
+            xa, xq = bufs()
+            y = mhc_pre(got[0], *pre, mix=MixPartials(parts, 4 * D, 1e-6), act_out=xa, act_q=xq)
+            for a, b in zip(got[1:], tuple(y) + ((xa, *xq) if act else ())):
+                assert torch.equal(a.view(b.shape).float(), b.float()), "the fused collapse is not mhc_pre's"
+    xa, xq = bufs()
+    want_h, want = mhc_post_pre_ref(f, res, post, comb, *pre, act_out=xa, act_q=xq)
+    close(got[0], want_h, tol_for(dtype, dev))
+    for g_, w_, dt in zip(got[1:4], want, (dtype, F32, F32)):
+        close(g_, w_, tol_for(dt, dev))
+    return lambda: run()[0]
 
 
 def check_mhc_head(T, dtype, D=96, dev="cpu", block_d=32):
@@ -520,6 +565,9 @@ def _cpu_cases():
             cases[f"mhc_post_mix-T{T}-{n}"] = (check_mhc_post_mix, dict(T=T, dtype=dt, tb={1: None, 3: 2, 7: 4}[T],
                                                                         lo=T != 7))
             cases[f"mhc_head-T{T}-{n}"] = (check_mhc_head, dict(T=T, dtype=dt, D={1: 96, 3: 256, 7: 64}[T]))
+            # one chunk a token (D = 128 at 128 channels), several, and 96 channels masked in a 128 tile
+            cases[f"mhc_post_pre-T{T}-{n}"] = (check_mhc_post_pre, dict(
+                T=T, dtype=dt, D={1: 256, 3: 128, 7: 96}[T], block_d={1: 64, 3: 128, 7: 32}[T], act=T != 7, lo=T != 3))
             for table in (True, False):
                 for fp8 in (False, True):
                     cases[f"rope-T{T}-{n}-{'table' if table else 'inkernel'}-{'fp8' if fp8 else 'nofp8'}"] = (
@@ -677,6 +725,9 @@ def test_gpu_mhc(T):
     if T <= POST_MIX_MAX_T:
         graph_equals_eager(check_mhc_post_mix(T, BF16, D=4096, dev="cuda", block_d=None))
         graph_equals_eager(check_mhc_head(T, BF16, D=4096, dev="cuda", block_d=None))
+    for bd in (128, 256):       # the fused post + pre, both plans; the fallback above POST_PRE_MAX_T
+        graph_equals_eager(check_mhc_post_pre(T, BF16, D=4096, dev="cuda", block_d=bd, side=torch.cuda.Stream()))
+    check_mhc_post_pre(T, BF16, D=4096, dev="cuda", block_d=128, act=False, lo=False)
     check_mhc_pre(T, BF16, D=4096, dev="cuda", out=True)
     check_mhc_post(T, BF16, D=4096, dev="cuda", inplace=True, block_d=512)
     check_mhc_post(T, BF16, D=4096, dev="cuda", block_d=512, f_dtype=torch.float32)

@@ -73,6 +73,7 @@ class Ops:
     fp8_gemm: Callable          # fp8_gemm: (x, e4m3 weight, E8M0 scales, act_quant, out_dtype) -> y
     mhc_pre: Callable           # mhc: the mix projection (bf16_gemm.py), Sinkhorn, stream collapse, RMSNorm
     mhc_post: Callable          # mhc: expand and mix back into the streams
+    mhc_post_pre: Callable      # mhc: mhc_post, then the next sub-layer's mhc_pre (mhc_post.py: one launch, small steps)
     mhc_head: Callable          # mhc: the head's stream collapse and final RMSNorm (mhc_pre.py)
     rope_qkv: Callable          # rope_kv: q/kv norms, RoPE, the KV's FP8 rounding, the ring write
     rope_q: Callable            # rope_q: RoPE on heads (the indexer's queries, Hadamard + FP4; the inverse on o)
@@ -122,6 +123,7 @@ _TABLE = {
     "fp8_gemm": ("fp8_gemm", "fp8_gemm", "fp8_gemm"),
     "mhc_pre": ("mhc", "mhc_pre", "mhc_pre"),
     "mhc_post": ("mhc", "mhc_post", "mhc_post"),
+    "mhc_post_pre": ("mhc", "mhc_post", "mhc_post_pre"),
     "mhc_head": ("mhc", "mhc_pre", "mhc_head"),
     "rope_qkv": ("rope_kv", "rope_kv", "rope_qkv"),
     "rope_q": ("rope_q", "rope_q", "rope_q"),

@@ -34,14 +34,15 @@ HEAD_KERNEL = True
 
 
 @triton.jit
-def _mix_at(m, offs, C, stride_c, BLOCK_C: tl.constexpr, TWO_D: tl.constexpr):
+def _mix_at(m, offs, C, stride_c, BLOCK_C: tl.constexpr, TWO_D: tl.constexpr, CM: tl.constexpr = ""):
     """The mix dots at offs ([HC] or, TWO_D, [HC,HC]) of one token's partials row m, summed over
-    the C splits (the row's rsqrt norm not yet applied)."""
+    the C splits (the row's rsqrt norm not yet applied). CM: the loads' cache modifier."""
     cc = tl.arange(0, BLOCK_C)
     if TWO_D:
-        v = tl.load(m + cc[:, None, None] * stride_c + offs[None, :, :], mask=(cc < C)[:, None, None], other=0.0)
+        v = tl.load(m + cc[:, None, None] * stride_c + offs[None, :, :], mask=(cc < C)[:, None, None], other=0.0,
+                    cache_modifier=CM)
     else:
-        v = tl.load(m + cc[:, None] * stride_c + offs[None, :], mask=(cc < C)[:, None], other=0.0)
+        v = tl.load(m + cc[:, None] * stride_c + offs[None, :], mask=(cc < C)[:, None], other=0.0, cache_modifier=CM)
     return tl.sum(v, axis=0)
 
 
@@ -72,16 +73,19 @@ def _post_comb(ss, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, post_
 
 @triton.jit
 def _load_collapse(m, C, stride_c, scale_ptr, base_ptr, h_ptr, w_ptr, D, stride_ht, stride_hj, t,
-                   HC: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+                   HC: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                   CM: tl.constexpr = ""):
     """What y of one token is made of: the sum of squares, the pre dots, its streams h [HC,D], the
-    norm weight, scale and bases."""
+    norm weight, scale and bases. CM ".cg": the partials and h read at L2, where other SMs'
+    programs of the same launch wrote them (mhc_post_pre's last program)."""
     cc = tl.arange(0, BLOCK_C)
     k = tl.arange(0, HC)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
-    ss = tl.sum(tl.load(m + cc * stride_c + N, mask=cc < C, other=0.0), axis=0)
-    mix_pre = _mix_at(m, k, C, stride_c, BLOCK_C, False)
-    h = tl.load(h_ptr + t * stride_ht + k[:, None] * stride_hj + d[None, :], mask=dm[None, :], other=0.0)  # [HC,D]
+    ss = tl.sum(tl.load(m + cc * stride_c + N, mask=cc < C, other=0.0, cache_modifier=CM), axis=0)
+    mix_pre = _mix_at(m, k, C, stride_c, BLOCK_C, False, CM)
+    h = tl.load(h_ptr + t * stride_ht + k[:, None] * stride_hj + d[None, :], mask=dm[None, :], other=0.0,
+                cache_modifier=CM)                                                        # [HC,D]
     w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
     return ss, mix_pre, h, w, tl.load(scale_ptr), tl.load(base_ptr + k)
 
@@ -156,7 +160,7 @@ def _mhc_pre_kernel(part_ptr, scale_ptr, base_ptr, h_ptr, w_ptr, y_ptr, xa_ptr, 
 
 def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, scale: torch.Tensor,
             base: torch.Tensor, norm_weight: torch.Tensor, iters: int, hc_eps: float, norm_eps: float,
-            out=None, act_out=None, act_q=None, side=None, roles=None, mix=None, **mix_plan):
+            out=None, act_out=None, act_q=None, side=None, roles=None, mix=None, collapsed=False, **mix_plan):
     """h [...,hc,D], the mix weight fn_hi (+ fn_lo) [(2+hc)*hc, hc*D] bf16 (split_bf16 of the fp32
     fn), scale [3], base [(2+hc)*hc], norm_weight [D]
     -> y = RMSNorm(sum_j pre_j h_j) [...,D] (h dtype), post [...,hc] fp32, comb [...,hc,hc] fp32.
@@ -176,8 +180,9 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
     reads post or comb (mhc_post's `after`; every call uses `side`, so that wait is always on work
     of the same CUDA graph capture). roles: 1 or 2 programs per token, or "split" (the two
     launches of `side`, on one stream: tests); mix: h's mix as MixPartials already (made by the
-    mhc_post that wrote h: no mix GEMM here); mix_plan: the mix GEMM's plan (split_k, ...: tests
-    and tuning)."""
+    mhc_post that wrote h: no mix GEMM here); collapsed: y (and act_out, act_q) are made already
+    (mhc_post_pre's launch, with mix): only post and comb are launched; mix_plan: the mix GEMM's
+    plan (split_k, ...: tests and tuning)."""
     hc, D = h.shape[-2:]
     N = (2 + hc) * hc
     assert hc & (hc - 1) == 0 and fn_hi.shape[0] == N
@@ -192,18 +197,15 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
     else:
         y, post, comb = out
         assert y.is_contiguous() and post.is_contiguous() and comb.is_contiguous()
-    assert act_out is None or (act_out.is_contiguous() and act_out.numel() == T * D and act_out.dtype == h.dtype
-                               and D % 128 == 0)
-    assert act_q is None or (act_out is not None and act_q[0].dtype == torch.float8_e4m3fn and act_q[0].numel() == T * D
-                             and act_q[1].dtype == torch.float32 and act_q[1].numel() == T * D // 128
-                             and act_q[0].is_contiguous() and act_q[1].is_contiguous())
+    check_act(T, D, h.dtype, act_out, act_q)
     if T:
+        assert not collapsed or mix is not None, "collapsed: the partials the collapse was made from"
         if mix is None:
             mix = mhc_mix_parts(h3, fn_hi, fn_lo, norm_eps, **mix_plan)             # [C, T, N+1]
         assert mix.parts.shape[1:] == (T, N + 1) and mix.K == hc * D
         C = mix.parts.shape[0]
         block = triton.next_power_of_2(D)
-        split = roles == "split" or side is not None
+        split = roles == "split" or side is not None or collapsed
         roles = 2 if split else roles or (2 if T <= ROLES_MAX_T else 1)
         xa = act_out if act_out is not None else y
         xq, xs = act_q if act_q is not None else (y, y)
@@ -219,7 +221,8 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
         else:
             if side is not None:      # post and comb wait for the mix only, not for the collapse
                 side.wait_stream(torch.cuda.current_stream(h.device))
-            _mhc_pre_kernel[(T, 1)](*args, **kw, ROLE=0, **pdl_args())
+            if not collapsed:
+                _mhc_pre_kernel[(T, 1)](*args, **kw, ROLE=0, **pdl_args())
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 # a plain launch: its stream's previous kernel is no dependency of it (no PDL edge)
                 _mhc_pre_kernel[(T, 1)](*args, **kw, ROLE=1)
@@ -229,6 +232,15 @@ def mhc_pre(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, sc
     if out is not None:
         return out
     return y.view(*lead, D), post.view(*lead, hc), comb.view(*lead, hc, hc)
+
+
+def check_act(T: int, D: int, dtype, act_out, act_q):
+    """act_out and act_q (mhc_pre's) are what the kernel writes for T tokens of width D."""
+    assert act_out is None or (act_out.is_contiguous() and act_out.numel() == T * D and act_out.dtype == dtype
+                               and D % 128 == 0)
+    assert act_q is None or (act_out is not None and act_q[0].dtype == torch.float8_e4m3fn and act_q[0].numel() == T * D
+                             and act_q[1].dtype == torch.float32 and act_q[1].numel() == T * D // 128
+                             and act_q[0].is_contiguous() and act_q[1].is_contiguous())
 
 
 def mhc_head(h: torch.Tensor, fn_hi: torch.Tensor, fn_lo: torch.Tensor | None, scale: torch.Tensor,

@@ -43,14 +43,15 @@ def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) 
     bool, or one per row) adds every token of those rows, still in order: [L,V]."""
     ops, num = model.ops, model.numerics
     h = embed(model, inp.ids, ops)                                                          # [B,S,hc,D]
-    mix, layers = None, list(model.layers)
+    layers = list(model.layers)
     head_mix = model.head_mix() if inp.decode else None     # prefill's head reads only some rows
     if inp.decode:      # the per-row tables every layer reads (StepInputs.once finds them), one launch
         inp.shared.update(ops.step_tables(inp.positions, inp.slots, inp.block_table, inp.block_tokens,
                                           tables_plan(layers, inp, caches[0].window.shape[1])))
+    pre = hc_pre(layers[0], h, "attn", ops, num)            # the first attention's input (its mix by a GEMM)
     for i, (layer, cache) in enumerate(zip(layers, caches)):
-        nxt = next_mix(layers[i + 1], "attn") if i + 1 < len(layers) else head_mix
-        h, mix = block(layer, h, inp, cache, ops, num, mix, nxt)
+        nxt = layers[i + 1] if i + 1 < len(layers) else None
+        h, pre, mix = block(layer, h, pre, inp, cache, ops, num, nxt, head_mix)
     if not inp.decode:
         return model.step_logits(h[0, inp.logit_tokens(all_logits)])                       # [L,V]
     return model.step_logits(h if all_logits else h[:, -1], mix)
@@ -71,26 +72,24 @@ def embed(model, ids: torch.Tensor, ops: Ops) -> torch.Tensor:
     return all_reduce(ops.embed(ids, e.weight, e.lo, 1)).expand(-1, -1, hc, -1).contiguous()
 
 
-def block(b: Block, h: torch.Tensor, inp: StepInputs, cache: LayerCache, ops: Ops, num: Numerics,
-          mix=None, nxt=None):
-    """h [B,S,hc,D] (and its attention mix, when the previous block's mhc_post made it) -> h [B,S,hc,D]
-    and the mix of what reads it next (or None): attention, then MoE, each wrapped in mHC. Each
-    mhc_post also makes the mix of the mhc_pre that reads its streams next (small steps, kernels):
-    nxt = (fn_hi, fn_lo, eps) of the next block's attention mix or the head's, or None."""
-    T = h.shape[0] * h.shape[1]
-    attn = b.proj["attn"]
-    x, xa, xq, post, comb = hc_pre(b, h, "attn", ops, attn.n_act > 0, takes_codes(attn, T), mix)   # x [B,S,D] normed
+def block(b: Block, h: torch.Tensor, pre, inp: StepInputs, cache: LayerCache, ops: Ops, num: Numerics,
+          nxt: Block | None = None, head_mix=None):
+    """h [B,S,hc,D] and its attention input `pre` (hc_pre's x, xa, xq, post, comb) -> h [B,S,hc,D], the
+    next block's attention input (nxt's; None after the last block) and the head's mix partials
+    (the last block, with head_mix = (fn_hi, fn_lo, eps) of the head's mix; else None):
+    attention, then MoE, each wrapped in mHC. Each sub-layer ends with hc_post_pre: its mhc_post
+    and the next sub-layer's mhc_pre (one launch on small steps)."""
+    x, xa, xq, post, comb = pre                                                 # x [B,S,D] normed
     # post and comb may still be in the making on ops.side (hc_pre): mhc_post waits for it
-    h, mix = ops.mhc_post(attention(b.attn, x, xa, xq, b.proj, inp, cache, ops, num), h, post, comb, after=ops.side,
-                          mix=next_mix(b, "ffn"))
-    ffn = b.proj["ffn"]
-    e = b.ffn.experts        # the FFN input's FP8 rounding feeds the shared expert's rows and the fused MoE
-    act = ffn is not None and ffn.n_act > 0 or e.packed is not None and num.act_fp8 and e.quantized
-    x, xa, xq, post, comb = hc_pre(b, h, "ffn", ops, act, takes_codes(ffn, T), mix)
-    f = moe(b.ffn, x, xa, xq, ffn, inp.ids, ops, num, w2=b.proj.get("w2"))
-    if nxt is None:             # no mix for what reads the streams next (the head mixes itself)
-        return ops.mhc_post(f, h, post, comb, after=ops.side), None
-    return ops.mhc_post(f, h, post, comb, after=ops.side, mix=nxt)
+    f = attention(b.attn, x, xa, xq, b.proj, inp, cache, ops, num)
+    h, (x, xa, xq, post, comb) = hc_post_pre(f, h, post, comb, b, "ffn", ops, num)
+    f = moe(b.ffn, x, xa, xq, b.proj["ffn"], inp.ids, ops, num, w2=b.proj.get("w2"))
+    if nxt is not None:
+        return (*hc_post_pre(f, h, post, comb, nxt, "attn", ops, num), None)
+    if head_mix is None:        # no mix for what reads the streams next (the head mixes itself)
+        return ops.mhc_post(f, h, post, comb, after=ops.side), None, None
+    h, mix = ops.mhc_post(f, h, post, comb, after=ops.side, mix=head_mix)
+    return h, None, mix
 
 
 def tables_plan(layers: list[Block], inp: StepInputs, W: int) -> list:
@@ -113,27 +112,53 @@ def tables_plan(layers: list[Block], inp: StepInputs, W: int) -> list:
     return plan
 
 
-def next_mix(b: Block, name: str):
-    """-> (fn_hi, fn_lo, eps) of block b's `name` mix, for the mhc_post whose streams it reads."""
-    return (*b.mix_weight(name), b.norm_eps)
+def pre_acts(b: Block, name: str, num: Numerics, T: int):
+    """-> (act, codes) of block b's `name` sub-layer input for T tokens: whether its FP8 GEMMs take
+    the input's e4m3 rounding from mhc_pre (xa), and that rounding as codes and scales (xq)."""
+    if name == "attn":
+        g = b.proj["attn"]
+        return g.n_act > 0, takes_codes(g, T)
+    g, e = b.proj["ffn"], b.ffn.experts     # the rounding feeds the shared expert's rows and the fused MoE
+    act = g is not None and g.n_act > 0 or e.packed is not None and num.act_fp8 and e.quantized
+    return act, takes_codes(g, T)
 
 
-def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops, act: bool, codes: bool, mix=None):
-    """-> the sub-layer's normed input x [B,S,D], with `act` also xa = fp8_sim(x, 128) (the FP8
-    GEMMs' input in reference numerics, rounded once here; else None), with `codes` also xq = xa
-    as (e4m3 codes [B,S,D], fp32 scales [B,S,D/128]) for the projections' FP8 dots (else None),
-    post [B,S,hc], comb [B,S,hc,hc] (fp32). post and comb are made on ops.side (CUDA), beside the
-    sub-layer (they are mhc_post's alone): nothing else may read them. mix: h's mix partials from
-    the mhc_post that wrote h (None: mhc_pre mixes)."""
-    norm = b.attn_norm if name == "attn" else b.ffn_norm     # the mix projection, Sinkhorn, collapse, norm
+def act_buffers(h: torch.Tensor, act: bool, codes: bool):
+    """-> xa [B,S,D] (h's dtype) or None, xq = (e4m3 codes [B,S,D], fp32 scales [B,S,D/128]) or None."""
     shape = h.shape[:-2] + h.shape[-1:]
     xa = torch.empty(shape, dtype=h.dtype, device=h.device) if act else None
     xq = (torch.empty(shape, dtype=torch.float8_e4m3fn, device=h.device),
           torch.empty(shape[:-1] + (shape[-1] // 128,), dtype=torch.float32, device=h.device)) if act and codes else None
-    x, post, comb = ops.mhc_pre(h, *b.mix_weight(name), getattr(b, f"hc_{name}_scale"), getattr(b, f"hc_{name}_base"),
-                                norm.weight, b.hc_iters, b.hc_eps, b.norm_eps, act_out=xa, act_q=xq, side=ops.side,
-                                mix=mix)
+    return xa, xq
+
+
+def pre_args(b: Block, name: str) -> tuple:
+    """Block b's `name` mhc_pre weights and constants: fn_hi, fn_lo, scale, base, the norm's weight,
+    Sinkhorn's iterations, hc_eps, norm_eps."""
+    norm = b.attn_norm if name == "attn" else b.ffn_norm
+    return (*b.mix_weight(name), getattr(b, f"hc_{name}_scale"), getattr(b, f"hc_{name}_base"), norm.weight,
+            b.hc_iters, b.hc_eps, b.norm_eps)
+
+
+def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops, num: Numerics):
+    """-> the sub-layer's normed input x [B,S,D], xa = fp8_sim(x, 128) where its FP8 GEMMs take
+    it (rounded once here; else None), xq = xa as (e4m3 codes [B,S,D], fp32 scales [B,S,D/128])
+    for the projections' FP8 dots (else None), post [B,S,hc], comb [B,S,hc,hc] (fp32). post and
+    comb are made on ops.side (CUDA), beside the sub-layer (they are mhc_post's alone): nothing
+    else may read them. The mix by mhc_pre's GEMM (the first sub-layer)."""
+    xa, xq = act_buffers(h, *pre_acts(b, name, num, h.shape[0] * h.shape[1]))
+    x, post, comb = ops.mhc_pre(h, *pre_args(b, name), act_out=xa, act_q=xq, side=ops.side)
     return x, xa, xq, post, comb
+
+
+def hc_post_pre(f: torch.Tensor, h: torch.Tensor, post, comb, b: Block, name: str, ops: Ops, num: Numerics):
+    """A sub-layer's output f [B,S,D] into the streams h (its post, comb) -> the new streams and
+    block b's `name` sub-layer input as hc_pre's five: mhc_post and the next mhc_pre, one launch on
+    small steps (the streams' mix partials and the collapse in mhc_post's programs)."""
+    xa, xq = act_buffers(h, *pre_acts(b, name, num, h.shape[0] * h.shape[1]))
+    h, (x, post, comb) = ops.mhc_post_pre(f, h, post, comb, *pre_args(b, name), after=ops.side, act_out=xa,
+                                          act_q=xq, side=ops.side)
+    return h, (x, xa, xq, post, comb)
 
 
 def beside(ops: Ops, on: bool = True):
