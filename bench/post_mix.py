@@ -1,11 +1,11 @@
 """mHC between two sub-layers, per sub-layer: mhc_post, the mix GEMM and mhc_pre (three launches);
 mhc_post also making the next mix's partials + mhc_pre (two, --fused: with mhc_pre's Sinkhorn on a
 side stream as the step runs it); mhc_post_pre (one launch and Sinkhorn on the side, at each
---post-pre-block). 8 layers' distinct weights per CUDA graph; checks the streams equal and the
+--post-pre-plans: channels and warps a program). 8 layers' distinct weights per CUDA graph; checks the streams equal and the
 outputs close. Prints us per sub-layer (graph replay, median of 50) and the fused kernel's
 registers and spills. H200 figures: bench/RESULTS.md, bench/results/post-mix-h200.json.
 
-    python bench/post_mix.py [--T 1,16,64] [--sweep] [--fused] [--post-pre-block 128,256]
+    python bench/post_mix.py [--T 1,16,64] [--sweep] [--fused] [--post-pre-plans 128:4,256:8]
 """
 import argparse
 import statistics
@@ -53,7 +53,7 @@ def main():
     ap.add_argument("--T", default="1,16,64")
     ap.add_argument("--sweep", action="store_true", help="the fused post + mix's tokens and channels a program")
     ap.add_argument("--fused", action="store_true", help="mhc_post + mix then mhc_pre with side, and mhc_post_pre")
-    ap.add_argument("--post-pre-block", default="128,256")
+    ap.add_argument("--post-pre-plans", default="128:4,256:8,128:8", help="channels:warps of mhc_post_pre")
     args = ap.parse_args()
     torch.manual_seed(0)
     side = torch.cuda.Stream()
@@ -87,11 +87,11 @@ def main():
                 mhc_pre(h, *fns[i], *rest, mix=m, side=side, act_out=xa, act_q=xq)
             torch.cuda.current_stream().wait_stream(side)
 
-        def one(bd):
+        def one(bd, w):
             def run():
                 for i in range(L):
                     mhc_post_pre(f[i], res[i], post, comb, *fns[i], *rest, after=side, act_out=xa, act_q=xq,
-                                 side=side, block_d=bd)
+                                 side=side, block_d=bd, warps=w)
                 torch.cuda.current_stream().wait_stream(side)
             return run
 
@@ -109,10 +109,11 @@ def main():
             row.append(f"post+mix,pre={timed(new(None, None)):.2f}")
         if args.fused:
             row.append(f"two+side={timed(two):.2f}")
-            for bd in map(int, args.post_pre_block.split(",")):
-                h2, (y2, p2, c2) = mhc_post_pre(f[0], res[0], post, comb, *fns[0], *rest, block_d=bd)
+            for plan in args.post_pre_plans.split(","):
+                bd, w = map(int, plan.split(":"))
+                h2, (y2, p2, c2) = mhc_post_pre(f[0], res[0], post, comb, *fns[0], *rest, block_d=bd, warps=w)
                 e2 = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, (y2, p2, c2)))
-                row.append(f"post_pre/bd{bd}={timed(one(bd)):.2f} (eq_h={torch.equal(h0, h2)} maxdiff={e2:.2e})")
+                row.append(f"post_pre/bd{bd}w{w}={timed(one(bd, w)):.2f} (eq_h={torch.equal(h0, h2)} maxdiff={e2:.2e})")
         print(" ".join(row), flush=True)
     print("mhc_post_pre kernels (num_warps, registers, spills):", registers(), flush=True)
 

@@ -36,7 +36,11 @@ POST_MIX_TOKENS, POST_MIX_BLOCK_D = 1, 128
 # Tokens up to which mhc_post_pre is one launch (above: mhc_post with the mix, then mhc_pre), and
 # its programs' channels
 POST_PRE_MAX_T = 16
-POST_PRE_BLOCK_D = 128
+# its programs' channels and warps: 128 channels / 4 warps compile to 128 registers (4 programs an
+# SM: 16 tokens' 512 programs in one wave); with 8 warps, mhc_pre's for D = 4096, the collapse has
+# mhc_pre's bits, but 167 registers (1 an SM) at 128 channels, 128 (2) at 256 (bench/regs.py's
+# compiler, sm_90)
+POST_PRE_BLOCK_D, POST_PRE_WARPS = 128, 4
 
 
 @triton.jit
@@ -127,7 +131,7 @@ def _mhc_post_pre_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, fn_ptr, lo
         tl.debug_barrier()
         ss, mix_pre, h, w, s0, b_pre = _load_collapse(part_ptr + t * (N + 1), C, T * (N + 1), scale_ptr, base_ptr,
                                                       out_ptr, w_ptr, D, stride_ot, stride_oj, t, HC, N, BLOCK_DF,
-                                                      BLOCK_C, ".cg")
+                                                      BLOCK_C, True)
         _collapse(ss, mix_pre, h, w, s0, b_pre, HC * D, norm_eps, y_ptr, xa_ptr, xq_ptr, xs_ptr, D, stride_yt, t,
                   hc_eps, norm_eps, HC, BLOCK_DF, ACT, CODES)
         tl.store(tick_ptr + t, 0)       # at rest for the next launch (or graph replay)
@@ -193,16 +197,17 @@ def mhc_post_ref(f, res, post, comb, out=None, block_d=None, after=None, mix=Non
 def mhc_post_pre(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn_hi: torch.Tensor,
                  fn_lo: torch.Tensor | None, scale: torch.Tensor, base: torch.Tensor, norm_weight: torch.Tensor,
                  iters: int, hc_eps: float, norm_eps: float, after=None, act_out=None, act_q=None, side=None,
-                 block_d: int | None = None):
+                 block_d: int | None = None, warps: int | None = None):
     """mhc_post of a sub-layer's output f into the streams res, then the next sub-layer's mhc_pre
     on them -> (h [...,hc,D], (y [...,D], post' [...,hc], comb' [...,hc,hc])): mhc_post's first
     four arguments and `after`, then mhc_pre's (fn_hi ... norm_eps, act_out, act_q, side).
 
     Up to POST_PRE_MAX_T tokens one launch makes the streams, their mix partials and, in each
-    token's last program, the collapse and norm (y, act_out, act_q), with mhc_pre's code: the same
-    bits as mhc_pre given these streams and partials. Sinkhorn's post' and comb' follow on `side`
-    (mhc_pre's second role, from the partials). Above: mhc_post (with the mix up to
-    POST_MIX_MAX_T), then mhc_pre. block_d: the fused launch's channels a program (tests, tuning)."""
+    token's last program, the collapse and norm (y, act_out, act_q), with mhc_pre's code: mhc_pre's
+    bits given these streams and partials where the launch has mhc_pre's warps (min(16, D / 512)).
+    Sinkhorn's post' and comb' follow on `side` (mhc_pre's second role, from the partials). Above:
+    mhc_post (with the mix up to POST_MIX_MAX_T), then mhc_pre. block_d, warps: the fused launch's
+    channels a program and warps (tests, tuning)."""
     hc, D = res.shape[-2:]
     T = res.numel() // (hc * D)
     mix = (fn_hi, fn_lo, norm_eps)
@@ -238,8 +243,7 @@ def mhc_post_pre(f: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: t
         y, xa, xq, xs, T, D, f2.stride(0), r3.stride(0), r3.stride(1), o.stride(0), o.stride(1), D, hc_eps, norm_eps,
         HC=hc, BLOCK_D=block, HAS_LO=fn_lo is not None, N=N, BLOCK_N=triton.next_power_of_2(N), BLOCK_DF=full,
         BLOCK_C=triton.next_power_of_2(C), ACT=act_out is not None, CODES=act_q is not None,
-        # mhc_pre's warps: its collapse's reductions in the same order (the same bits)
-        num_warps=min(16, max(1, full // 512)), **pdl_args())
+        num_warps=warps or POST_PRE_WARPS, **pdl_args())
     h = o.view(*lead, hc, D)
     # post' and comb' (Sinkhorn, on side): mhc_pre's second role, from the partials just made
     mhc_pre(h, *pre, out=out, act_out=act_out, act_q=act_q, side=side, mix=MixPartials(parts, hc * D, norm_eps),

@@ -34,15 +34,24 @@ HEAD_KERNEL = True
 
 
 @triton.jit
-def _mix_at(m, offs, C, stride_c, BLOCK_C: tl.constexpr, TWO_D: tl.constexpr, CM: tl.constexpr = ""):
+def _ld(p, mask, CG: tl.constexpr):
+    """tl.load(p, mask, other=0); CG: at L2 (".cg"), where other SMs' programs of the same launch
+    wrote it, never a stale L1 line."""
+    if CG:
+        return tl.load(p, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        return tl.load(p, mask=mask, other=0.0)
+
+
+@triton.jit
+def _mix_at(m, offs, C, stride_c, BLOCK_C: tl.constexpr, TWO_D: tl.constexpr, CG: tl.constexpr = False):
     """The mix dots at offs ([HC] or, TWO_D, [HC,HC]) of one token's partials row m, summed over
-    the C splits (the row's rsqrt norm not yet applied). CM: the loads' cache modifier."""
+    the C splits (the row's rsqrt norm not yet applied). CG: read at L2 (_ld)."""
     cc = tl.arange(0, BLOCK_C)
     if TWO_D:
-        v = tl.load(m + cc[:, None, None] * stride_c + offs[None, :, :], mask=(cc < C)[:, None, None], other=0.0,
-                    cache_modifier=CM)
+        v = _ld(m + cc[:, None, None] * stride_c + offs[None, :, :], (cc < C)[:, None, None], CG)
     else:
-        v = tl.load(m + cc[:, None] * stride_c + offs[None, :], mask=(cc < C)[:, None], other=0.0, cache_modifier=CM)
+        v = _ld(m + cc[:, None] * stride_c + offs[None, :], (cc < C)[:, None], CG)
     return tl.sum(v, axis=0)
 
 
@@ -74,18 +83,17 @@ def _post_comb(ss, mix_post, mix_comb, s1, s2, b_post, b_comb, K, mix_eps, post_
 @triton.jit
 def _load_collapse(m, C, stride_c, scale_ptr, base_ptr, h_ptr, w_ptr, D, stride_ht, stride_hj, t,
                    HC: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-                   CM: tl.constexpr = ""):
+                   CG: tl.constexpr = False):
     """What y of one token is made of: the sum of squares, the pre dots, its streams h [HC,D], the
-    norm weight, scale and bases. CM ".cg": the partials and h read at L2, where other SMs'
-    programs of the same launch wrote them (mhc_post_pre's last program)."""
+    norm weight, scale and bases. CG: the partials and h read at L2 (_ld: other SMs' programs of
+    the same launch wrote them, mhc_post_pre's last program)."""
     cc = tl.arange(0, BLOCK_C)
     k = tl.arange(0, HC)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
-    ss = tl.sum(tl.load(m + cc * stride_c + N, mask=cc < C, other=0.0, cache_modifier=CM), axis=0)
-    mix_pre = _mix_at(m, k, C, stride_c, BLOCK_C, False, CM)
-    h = tl.load(h_ptr + t * stride_ht + k[:, None] * stride_hj + d[None, :], mask=dm[None, :], other=0.0,
-                cache_modifier=CM)                                                        # [HC,D]
+    ss = tl.sum(_ld(m + cc * stride_c + N, cc < C, CG), axis=0)
+    mix_pre = _mix_at(m, k, C, stride_c, BLOCK_C, False, CG)
+    h = _ld(h_ptr + t * stride_ht + k[:, None] * stride_hj + d[None, :], dm[None, :], CG)   # [HC,D]
     w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
     return ss, mix_pre, h, w, tl.load(scale_ptr), tl.load(base_ptr + k)
 
