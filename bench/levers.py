@@ -13,13 +13,13 @@ LEVERS = {
     "kv_prep": ("engine.kernels.kv_prep", "KV_PREP", False),                 # rope_qkv, compressors, rope_q apart
     "step_tables": ("engine.kernels.step_tables", "STEP_TABLES", False),     # the tables by torch ops
     "embed_kernel": ("engine.kernels.embed", "EMBED_KERNEL", False),         # the lookup and the copy by torch ops
-    "post_pre": ("engine.kernels.mhc_post", "POST_PRE_MAX_T", 0),           # mhc_post, then mhc_pre's launch
     # off by default, so their --ab turns them on: the shared expert in the down kernel up to 64
     # tokens (not beside it), the w2 group on its SwiGLU up to 16 (not the swiglu kernel + cuBLAS),
     # the indexer's top-k in its scores' launch for rows up to 4096 entries
     "shared_in_down": ("engine.kernels.fused_moe", "SHARED_IN_DOWN_MAX_T", 64),
     "swiglu_w2": ("engine.model.step", "W2_GROUP_MAX_M", 16),
     "topk_in_score": ("engine.kernels.indexer", "TOPK_IN_SCORE_MAX_ROW", 4096),  # the top-k in the scores' launch
+    "post_pre": ("engine.kernels.mhc_post", "POST_PRE_MAX_T", 16),          # mhc_post + the next mhc_pre, one launch
 }
 
 

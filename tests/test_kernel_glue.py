@@ -24,7 +24,8 @@ sys.path.insert(0, str(ROOT))
 from engine.kernels.bf16_gemm import split_bf16  # noqa: E402
 from engine.kernels.act_sim import fp4_sim, fp4_sim_ref, fp8_sim, fp8_sim_ref  # noqa: E402
 from engine.numerics import fp8_codes_ref  # noqa: E402
-from engine.kernels.mhc_post import (POST_MIX_BLOCK_D, POST_MIX_MAX_T, POST_PRE_MAX_T, POST_PRE_WARPS,  # noqa: E402
+from engine.kernels import mhc_post as mhc_post_mod  # noqa: E402
+from engine.kernels.mhc_post import (POST_MIX_BLOCK_D, POST_MIX_MAX_T, POST_PRE_WARPS,  # noqa: E402
                                      mhc_post, mhc_post_pre,
                                      mhc_post_pre_ref, mhc_post_ref)
 from engine.kernels.mhc_pre import ROLES_MAX_T, mhc_head, mhc_head_ref, mhc_pre, mhc_pre_ref  # noqa: E402
@@ -185,6 +186,7 @@ def check_mhc_post_pre(T, dtype, D=128, dev="cpu", block_d=32, act=True, lo=True
     hi, lo_ = split_bf16(r(24, 4 * D, s=0.6 / (4 * D) ** 0.5))
     lo_ = lo_ if lo else None
     pre = (hi, lo_, 1 + r(3, s=0.1), r(24, s=0.5), (1 + r(D, s=0.05)).to(dtype), 20, 1e-6, 1e-6)
+    keep, fused_t = mhc_post_mod.POST_PRE_MAX_T, 16
 
     def bufs():
         if not act:
@@ -194,11 +196,13 @@ def check_mhc_post_pre(T, dtype, D=128, dev="cpu", block_d=32, act=True, lo=True
 
     def run():
         xa, xq = bufs()
+        mhc_post_mod.POST_PRE_MAX_T = fused_t     # the one-launch path, off by default (a lever)
         h, y = mhc_post_pre(f, res, post, comb, *pre, act_out=xa, act_q=xq, side=side, block_d=block_d, warps=warps)
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
         from engine.kernels.bf16_gemm import MixPartials
-        parts = MixPartials.buffer(res.device, -(-D // block_d), T, 24).clone() if 0 < T <= POST_PRE_MAX_T else None
+        mhc_post_mod.POST_PRE_MAX_T = keep
+        parts = MixPartials.buffer(res.device, -(-D // block_d), T, 24).clone() if 0 < T <= fused_t else None
         return (h, *y) + ((xa, *xq) if act else ()), parts
 
     with poisoned():

@@ -33,9 +33,10 @@ from .mhc_pre import _collapse, _load_collapse, check_act, mhc_pre, mhc_pre_ref
 # channels); T = 16 16.5 -> 11.6 (1 / 128; 8 tokens a program 16.4); T = 64 17.0 -> 20.5 at best.
 POST_MIX_MAX_T = 16
 POST_MIX_TOKENS, POST_MIX_BLOCK_D = 1, 128
-# Tokens up to which mhc_post_pre is one launch (above: mhc_post with the mix, then mhc_pre), and
-# its programs' channels
-POST_PRE_MAX_T = 16
+# Tokens up to which mhc_post_pre is one launch (above: mhc_post with the mix, then mhc_pre). Off
+# (0): measured slower, bench/decode.py --ab post_pre (H100, 2026-12-06): +0.117 ms a step at
+# C = 1, +0.294 at C = 16 for 85 launches fewer (18.1 a layer); bench/RESULTS.md
+POST_PRE_MAX_T = 0
 # its programs' channels and warps: 128 channels / 4 warps compile to 128 registers (4 programs an
 # SM: 16 tokens' 512 programs in one wave); with 8 warps, mhc_pre's for D = 4096, the collapse has
 # mhc_pre's bits, but 167 registers (1 an SM) at 128 channels, 128 (2) at 256 (bench/regs.py's
