@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.kernels.bf16_gemm import split_bf16  # noqa: E402
+from engine.kernels.bf16_gemm import MixPartials, split_bf16  # noqa: E402
 from engine.kernels.act_sim import fp4_sim, fp4_sim_ref, fp8_sim, fp8_sim_ref  # noqa: E402
 from engine.numerics import fp8_codes_ref  # noqa: E402
 from engine.kernels import mhc_post as mhc_post_mod  # noqa: E402
@@ -197,11 +197,13 @@ def check_mhc_post_pre(T, dtype, D=128, dev="cpu", block_d=32, act=True, lo=True
     def run():
         xa, xq = bufs()
         mhc_post_mod.POST_PRE_MAX_T = fused_t     # the one-launch path, off by default (a lever)
-        h, y = mhc_post_pre(f, res, post, comb, *pre, act_out=xa, act_q=xq, side=side, block_d=block_d, warps=warps)
+        try:
+            h, y = mhc_post_pre(f, res, post, comb, *pre, act_out=xa, act_q=xq, side=side, block_d=block_d,
+                                warps=warps)
+        finally:
+            mhc_post_mod.POST_PRE_MAX_T = keep
         if side is not None:
             torch.cuda.current_stream().wait_stream(side)
-        from engine.kernels.bf16_gemm import MixPartials
-        mhc_post_mod.POST_PRE_MAX_T = keep
         parts = MixPartials.buffer(res.device, -(-D // block_d), T, 24).clone() if 0 < T <= fused_t else None
         return (h, *y) + ((xa, *xq) if act else ()), parts
 
@@ -209,7 +211,6 @@ def check_mhc_post_pre(T, dtype, D=128, dev="cpu", block_d=32, act=True, lo=True
         got, parts = run()
         assert torch.equal(got[0], mhc_post(f, res, post, comb))
         if parts is not None:       # the one-launch path: the collapse is mhc_pre's given its inputs
-            from engine.kernels.bf16_gemm import MixPartials
             xa, xq = bufs()
             y = mhc_pre(got[0], *pre, mix=MixPartials(parts, 4 * D, 1e-6), act_out=xa, act_q=xq)
             same = dev == "cpu" or (warps or POST_PRE_WARPS) == min(16, max(1, D // 512))
