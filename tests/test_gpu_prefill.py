@@ -45,3 +45,39 @@ def test_batched_prefill_kernels_match_torch(tiny_ckpt, numerics):
     # the kernel run's prefill steps carried several sequences' chunks at a time
     assert max(len(s) for s in prefills) >= 4 and len(prefills) < len(LENS), prefills
     assert r["mismatch"] is None and r["max_rel_err"] <= r["tol"], r
+
+
+def test_sequence_parallel_path_through_the_kernels(tiny_ckpt, monkeypatch):
+    """The sequence-parallel prefill step (parallel/sequence.py) forced at tp = 1 (a split of one
+    rank) through the kernels gives the unsplit step's logits: the gathered x rounded to FP8 by
+    ops.fp8_sim where mhc_pre would have, the indexer's rows sliced and gathered back. Exact up to
+    the run-to-run spread of the unsplit step itself (measured here: two unsplit runs)."""
+    from engine import SamplingParams
+    from engine.parallel import sequence
+
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(2, 129280, (m,), generator=g).tolist() for m in (600, 257, 131, 5)]
+
+    def run():
+        llm = LLM(tiny_ckpt("flash", 0), device="cuda", dtype=torch.bfloat16, numerics="reference",
+                  enforce_eager=True, max_model_len=1024, max_num_seqs=8, skip_tokenizer_init=True,
+                  kv_cache_memory=GPU_CACHE)
+        seen = []
+        llm.engine.runner.logits_hook = lambda seqs, logits: seen.append(logits.float().cpu())
+        try:
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        finally:
+            llm.shutdown()
+        return seen
+
+    want, again = run(), run()
+    floor = max((a - b).abs().max().item() for a, b in zip(want, again))
+    monkeypatch.setattr(sequence, "split", lambda T: sequence.SeqSplit(T, 1, 0))
+    gathers = []
+    gather = sequence.gather
+    monkeypatch.setattr(sequence, "gather", lambda *a: gathers.append(1) or gather(*a))
+    got = run()
+    assert gathers and len(got) == len(want)
+    err = max((a - b).abs().max().item() for a, b in zip(got, want))
+    print({"err": err, "floor": floor})
+    assert err <= 2 * floor, (err, floor)

@@ -75,8 +75,13 @@ def test_simulated_group_models_the_cost():
     g = state.SimulatedGroup(0, 8, modelled=True)
     x = torch.ones(4, 4096, dtype=torch.bfloat16)
     assert g.all_reduce(x) is x and g.all_gather_last(torch.ones(2, 16)).shape == (2, 128)
-    assert g.calls == {"all_reduce": 1, "all_gather": 1}
-    want = latency.all_reduce_us(x.numel() * 2, 8) + latency.all_gather_us(2 * 128 * 4, 8)
+    assert g.all_gather(x[:2]).shape == (16, 4096) and torch.equal(g.reduce_scatter(torch.arange(16.0)), torch.tensor([0.0, 1.0]))
+    assert g.calls == {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 1}
+    want = (latency.all_reduce_us(x.numel() * 2, 8) + latency.all_gather_us(2 * 128 * 4, 8)
+            + latency.all_gather_us(16 * 4096 * 2, 8) + latency.reduce_scatter_us(16 * 4, 8))
+    # an all-reduce is a reduce-scatter and an all-gather of the same bytes: one alpha less
+    assert latency.all_reduce_us(1 << 20, 8) == pytest.approx(
+        latency.reduce_scatter_us(1 << 20, 8) + latency.all_gather_us(1 << 20, 8) - latency.ALPHA_US)
     assert g.modelled_us == pytest.approx(want)
     assert latency.all_reduce_us(1 << 20, 1) == 0
     sys.path.append(str(ROOT / "bench"))

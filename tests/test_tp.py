@@ -15,7 +15,7 @@ from conftest import rel_err
 from engine import LLM, SamplingParams
 from engine.model import load_model
 from engine.model.shards import split_dim
-from engine.parallel import state
+from engine.parallel import sequence, state
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +53,77 @@ def test_tp_reproduces_tp1(tiny_ckpt, preset, tp):
     err = max(rel_err(got[k], want[k]).item() for k in want)
     print(f"{preset} tp={tp}: max rel err of logits vs tp=1 {err:.2e}")
     assert err <= 1e-4
+
+
+def _counting(monkeypatch, module, name):
+    """Count the calls of module.name (the step calls it through the module)."""
+    seen, fn = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: seen.append(1) or fn(*a, **k))
+    return seen
+
+
+@pytest.mark.parametrize("preset,tp", [("tiny", 2), ("flash", 4)])
+def test_sequence_parallel_prefill_reproduces_tp1(tiny_ckpt, monkeypatch, preset, tp):
+    """Sequence-parallel prefill (parallel/sequence.py, its threshold lowered so these prompts
+    split: the workers take rank 0's) gives tp=1's tokens and logits: one step of both prompts
+    (49 tokens, so the last rank keeps padding rows), steps of chunks of 16 beside decode rows, and
+    prompt logprobs (every prompt token's logit row gathered from the rank that keeps it)."""
+    path = tiny_ckpt(preset, 0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 129280, (n,), generator=g).tolist() for n in (37, 12)]
+    params = [GREEDY, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)]
+    want_tokens, want = _run(path, 1, prompts, params)
+    want_lp = _prompt_logprobs(path, 1, prompts)
+    monkeypatch.setattr(sequence, "SP_MIN_T", 8)
+    splits = _counting(monkeypatch, sequence, "scatter")
+    got_tokens, got = _run(path, tp, prompts, params)
+    assert splits, "no step was split"
+    assert got_tokens == want_tokens and set(got) == set(want)
+    assert max(rel_err(got[k], want[k]).item() for k in want) <= 1e-4
+    got_lp = _prompt_logprobs(path, tp, prompts)
+    for a, b in zip(got_lp, want_lp):
+        assert [None if d is None else sorted(d) for d in a] == [None if d is None else sorted(d) for d in b]
+        for da, db in zip(a[1:], b[1:]):
+            assert all(abs(da[t] - db[t]) <= 1e-4 * max(1.0, abs(db[t])) for t in db)
+    chunked, _ = _run(path, tp, prompts, params, chunk_size=16)
+    assert chunked == want_tokens
+
+
+def _prompt_logprobs(path, tp, prompts):
+    llm = LLM(path, tp=tp, device="cpu", dtype=torch.float32, max_num_seqs=4, numerics="plain", tp_timeout=60)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))
+    finally:
+        llm.shutdown()
+    return [o.prompt_logprobs for o in outs]   # per prompt: None, then {token: logprob} per token
+
+
+@pytest.mark.parametrize("numerics", ["plain", "reference"])
+def test_sequence_parallel_path_at_tp1_is_exact(tiny_ckpt, monkeypatch, numerics):
+    """The sequence-parallel step at tp=1 (a split of one rank forced on every prefill step) is
+    the unsplit step bit for bit: in reference numerics this checks that the FP8 rounding made
+    again after the gather (step.opened) is the one mhc_pre makes."""
+    path = tiny_ckpt("flash", 0)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 129280, (n,), generator=g).tolist() for n in (37, 12, 5)]
+    kw = dict(tp=1, device="cpu", dtype=torch.float32, max_num_seqs=4, numerics=numerics)
+
+    def run():
+        llm = LLM(path, **kw)
+        seen = []
+        llm.engine.runner.logits_hook = lambda seqs, logits: seen.append(logits.clone())
+        try:
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        finally:
+            llm.shutdown()
+        return [o.token_ids for o in outs], seen
+
+    want_tokens, want = run()
+    monkeypatch.setattr(sequence, "split", lambda T: sequence.SeqSplit(T, 1, 0))
+    splits = _counting(monkeypatch, sequence, "gather")
+    got_tokens, got = run()
+    assert splits and got_tokens == want_tokens and len(got) == len(want)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_tp_async_scheduling_gives_the_synchronous_tokens(tiny_ckpt):

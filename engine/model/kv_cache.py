@@ -124,6 +124,12 @@ class StepInputs:
     def logit_tokens(self, all_logits) -> torch.Tensor:
         """The tokens whose logits the step returns, in row order: each row's last, or every one
         of a row whose all_logits flag is set (all_logits: a bool for every row, or one per row)."""
-        flags = all_logits if isinstance(all_logits, (list, tuple)) else [all_logits] * len(self.row_lens)
-        return self._host(("logit tokens", tuple(flags)), lambda: [
-            t for o, n, f in zip(self.offsets, self.row_lens, flags) for t in (range(o, o + n) if f else [o + n - 1])])
+        return self._host(("logit tokens", tuple(self._flags(all_logits))), lambda: self.logit_token_list(all_logits))
+
+    def logit_token_list(self, all_logits) -> list[int]:
+        """logit_tokens as host ints."""
+        return [t for o, n, f in zip(self.offsets, self.row_lens, self._flags(all_logits))
+                for t in (range(o, o + n) if f else [o + n - 1])]
+
+    def _flags(self, all_logits) -> list[bool]:
+        return list(all_logits) if isinstance(all_logits, (list, tuple)) else [all_logits] * len(self.row_lens)

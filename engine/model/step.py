@@ -26,7 +26,9 @@ from ..kernels.fused_moe import takes_shared
 from ..kernels.kv_prep import fuses, together
 from ..kernels.step_tables import entry_rows_ref, window_rows_ref
 from ..numerics import Numerics, up
+from ..parallel import sequence
 from ..parallel.comm import all_reduce
+from ..parallel.sequence import SeqSplit
 from .attention import Attention
 from .block import Block
 from .compressor import Compressor
@@ -42,16 +44,19 @@ def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) 
     (all_logits: [B,1,V]). Prefill: of each row's last token, in row order [B,V]; all_logits (a
     bool, or one per row) adds every token of those rows, still in order: [L,V]."""
     ops, num = model.ops, model.numerics
-    h = embed(model, inp.ids, ops)                                                          # [B,S,hc,D]
+    sp = None if inp.decode else sequence.split(inp.ids.shape[1])   # prefill-sized: the streams split over the ranks
+    h = embed(model, inp.ids, ops, sp)                          # [B,S,hc,D] (sp: [1,n,hc,D], this rank's tokens)
     layers = list(model.layers)
     head_mix = model.head_mix() if inp.decode else None     # prefill's head reads only some rows
     if inp.decode:      # the per-row tables every layer reads (StepInputs.once finds them), one launch
         inp.shared.update(ops.step_tables(inp.positions, inp.slots, inp.block_table, inp.block_tokens,
                                           tables_plan(layers, inp, caches[0].window.shape[1])))
-    pre = hc_pre(layers[0], h, "attn", ops, num)            # the first attention's input (its mix by a GEMM)
+    pre = hc_pre(layers[0], h, "attn", ops, num, sp)        # the first attention's input (its mix by a GEMM)
     for i, (layer, cache) in enumerate(zip(layers, caches)):
         nxt = layers[i + 1] if i + 1 < len(layers) else None
-        h, pre, mix = block(layer, h, pre, inp, cache, ops, num, nxt, head_mix)
+        h, pre, mix = block(layer, h, pre, inp, cache, ops, num, nxt, head_mix, sp)
+    if sp is not None:          # the logit rows from the ranks that keep them
+        return model.step_logits(sequence.rows(h[0], sp, inp.logit_token_list(all_logits)))   # [L,V]
     if not inp.decode:
         return model.step_logits(h[0, inp.logit_tokens(all_logits)])                       # [L,V]
     return model.step_logits(h if all_logits else h[:, -1], mix)
@@ -63,29 +68,50 @@ def forward(model, inp: StepInputs, caches: list[LayerCache], all_logits=False) 
 EMBED_STREAMS_MAX_T = 16
 
 
-def embed(model, ids: torch.Tensor, ops: Ops) -> torch.Tensor:
+def embed(model, ids: torch.Tensor, ops: Ops, sp: SeqSplit | None = None) -> torch.Tensor:
     """ids [B,S] -> the hc residual streams [B,S,hc,D], each the token's embedding (vocab-parallel:
-    every rank's rows, one all-reduce)."""
+    every rank's rows, one all-reduce; sp: a reduce-scatter to this rank's tokens, [1,n,hc,D])."""
     e, hc = model.embed, model.cfg.hc_mult
-    if ids.numel() <= EMBED_STREAMS_MAX_T:
+    if sp is None and ids.numel() <= EMBED_STREAMS_MAX_T:
         return all_reduce(ops.embed(ids, e.weight, e.lo, hc))
-    return all_reduce(ops.embed(ids, e.weight, e.lo, 1)).expand(-1, -1, hc, -1).contiguous()
+    return close(ops.embed(ids, e.weight, e.lo, 1), sp).expand(-1, -1, hc, -1).contiguous()
+
+
+def close(y: torch.Tensor, sp: SeqSplit | None) -> torch.Tensor:
+    """A row-parallel op's partial sums [B,S,...] -> their sum over the ranks: of every token (an
+    all-reduce), or under sequence parallelism of this rank's own tokens [1,n,...] (a reduce-scatter)."""
+    return all_reduce(y) if sp is None else sequence.scatter(y, sp)
+
+
+def opened(b: Block, name: str, pre, sp: SeqSplit | None, ops: Ops, num: Numerics):
+    """-> the x, xa, xq of block b's `name` sub-layer from hc_pre's five. Sequence parallelism: of
+    every token, x by an all-gather of each rank's own and xa (its FP8 rounding, per token as
+    mhc_pre makes it) made again from it; xq is for small steps only (projections.CODES_MAX_M)."""
+    x, xa, xq, _, _ = pre
+    if sp is None:
+        return x, xa, xq
+    x = sequence.gather(x, sp)                                                              # [1,T,D]
+    return x, ops.fp8_sim(x, 128) if pre_acts(b, name, num, sp.T)[0] else None, None
 
 
 def block(b: Block, h: torch.Tensor, pre, inp: StepInputs, cache: LayerCache, ops: Ops, num: Numerics,
-          nxt: Block | None = None, head_mix=None):
+          nxt: Block | None = None, head_mix=None, sp: SeqSplit | None = None):
     """h [B,S,hc,D] and its attention input `pre` (hc_pre's x, xa, xq, post, comb) -> h [B,S,hc,D], the
     next block's attention input (nxt's; None after the last block) and the head's mix partials
     (the last block, with head_mix = (fn_hi, fn_lo, eps) of the head's mix; else None):
     attention, then MoE, each wrapped in mHC. Each sub-layer ends with hc_post_pre: its mhc_post
-    and the next sub-layer's mhc_pre (one launch on small steps)."""
-    x, xa, xq, post, comb = pre                                                 # x [B,S,D] normed
+    and the next sub-layer's mhc_pre (one launch on small steps). sp (prefill-sized steps over
+    several ranks): h, pre and the sub-layers' outputs are this rank's tokens' (n); each sub-layer
+    reads every token's input (opened) and sums its output into the rank's own (close)."""
+    post, comb = pre[3:]         # pre: hc_pre's five (x, xa, xq, post, comb), x [B,S,D] normed
     # post and comb may still be in the making on ops.side (hc_pre): mhc_post waits for it
-    f = attention(b.attn, x, xa, xq, b.proj, inp, cache, ops, num)
-    h, (x, xa, xq, post, comb) = hc_post_pre(f, h, post, comb, b, "ffn", ops, num)
-    f = moe(b.ffn, x, xa, xq, b.proj["ffn"], inp.ids, ops, num, w2=b.proj.get("w2"))
+    f = attention(b.attn, *opened(b, "attn", pre, sp, ops, num), b.proj, inp, cache, ops, num, sp)
+    h, pre = hc_post_pre(f, h, post, comb, b, "ffn", ops, num, sp)
+    post, comb = pre[3:]
+    f = moe(b.ffn, *opened(b, "ffn", pre, sp, ops, num), b.proj["ffn"], inp.ids, ops, num, w2=b.proj.get("w2"),
+            sp=sp)
     if nxt is not None:
-        return (*hc_post_pre(f, h, post, comb, nxt, "attn", ops, num), None)
+        return (*hc_post_pre(f, h, post, comb, nxt, "attn", ops, num, sp), None)
     if head_mix is None:        # no mix for what reads the streams next (the head mixes itself)
         return ops.mhc_post(f, h, post, comb, after=ops.side), None, None
     h, mix = ops.mhc_post(f, h, post, comb, after=ops.side, mix=head_mix)
@@ -140,22 +166,24 @@ def pre_args(b: Block, name: str) -> tuple:
             b.hc_iters, b.hc_eps, b.norm_eps)
 
 
-def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops, num: Numerics):
+def hc_pre(b: Block, h: torch.Tensor, name: str, ops: Ops, num: Numerics, sp: SeqSplit | None = None):
     """-> the sub-layer's normed input x [B,S,D], xa = fp8_sim(x, 128) where its FP8 GEMMs take
     it (rounded once here; else None), xq = xa as (e4m3 codes [B,S,D], fp32 scales [B,S,D/128])
     for the projections' FP8 dots (else None), post [B,S,hc], comb [B,S,hc,hc] (fp32). post and
     comb are made on ops.side (CUDA), beside the sub-layer (they are mhc_post's alone): nothing
-    else may read them. The mix by mhc_pre's GEMM (the first sub-layer)."""
-    xa, xq = act_buffers(h, *pre_acts(b, name, num, h.shape[0] * h.shape[1]))
+    else may read them. The mix by mhc_pre's GEMM (the first sub-layer). sp: no xa, xq (opened
+    makes them after the gather)."""
+    xa, xq = act_buffers(h, *pre_acts(b, name, num, h.shape[0] * h.shape[1])) if sp is None else (None, None)
     x, post, comb = ops.mhc_pre(h, *pre_args(b, name), act_out=xa, act_q=xq, side=ops.side)
     return x, xa, xq, post, comb
 
 
-def hc_post_pre(f: torch.Tensor, h: torch.Tensor, post, comb, b: Block, name: str, ops: Ops, num: Numerics):
+def hc_post_pre(f: torch.Tensor, h: torch.Tensor, post, comb, b: Block, name: str, ops: Ops, num: Numerics,
+                sp: SeqSplit | None = None):
     """A sub-layer's output f [B,S,D] into the streams h (its post, comb) -> the new streams and
     block b's `name` sub-layer input as hc_pre's five: mhc_post and the next mhc_pre, one launch on
-    small steps (the streams' mix partials and the collapse in mhc_post's programs)."""
-    xa, xq = act_buffers(h, *pre_acts(b, name, num, h.shape[0] * h.shape[1]))
+    small steps (the streams' mix partials and the collapse in mhc_post's programs). sp: as hc_pre."""
+    xa, xq = act_buffers(h, *pre_acts(b, name, num, h.shape[0] * h.shape[1])) if sp is None else (None, None)
     h, (x, post, comb) = ops.mhc_post_pre(f, h, post, comb, *pre_args(b, name), after=ops.side, act_out=xa,
                                           act_q=xq, side=ops.side)
     return h, (x, xa, xq, post, comb)
@@ -193,10 +221,10 @@ def linear(lin: Linear, x: torch.Tensor, ops: Ops, num: Numerics, rounded: bool 
 
 # ---- attention ----
 def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, inp: StepInputs,
-              cache: LayerCache, ops: Ops, num: Numerics) -> torch.Tensor:
-    """x [B,S,D] -> [B,S,D]. Each query reads its window (ring rows, plus its chunk's own keys in
-    prefill) and, in compressed layers, its compressed entries: flat row lists the sparse MQA
-    kernel reads in place."""
+              cache: LayerCache, ops: Ops, num: Numerics, sp: SeqSplit | None = None) -> torch.Tensor:
+    """x [B,S,D] -> [B,S,D] (sp: this rank's tokens' [1,n,D], see close). Each query reads its
+    window (ring rows, plus its chunk's own keys in prefill) and, in compressed layers, its
+    compressed entries: flat row lists the sparse MQA kernel reads in place."""
     B, S, _ = x.shape
     cos, sin = inp.cos_sin(a.rope_key, a.inv_freq)                                        # [B,S,R/2]
     y = ops.proj_gemm(x, proj["attn"], xa=xa, xq=xq)   # wq_a, wkv, the compressors' and indexer's x projections: one GEMM
@@ -211,7 +239,7 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, 
             with beside(ops, inp.decode and not fused):
                 iq = indexer_queries(a.indexer, y, yq["idx.wq_b"], cos, sin, inp, cache, a.inv_freq, ops, num)
                 if not fused:
-                    idx_b = indexer_select(a.indexer, y, iq, inp, cache, n, ops)                 # [B*S,k]
+                    idx_b = indexer_select(a.indexer, y, iq, inp, cache, n, ops, sp)             # [B*S,k]
         q = yq["wq_b"].unflatten(-1, (a.n_heads, a.head_dim))                                # [B,S,H,Dh]
         # norms, RoPE, the KV's FP8 rounding; decode also writes its key into the ring here
         ring = cache.window if inp.decode else None
@@ -240,7 +268,7 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, 
     if not inp.decode:   # each chunk's last W keys go into its ring once every query has read it
         t = inp.ring_tokens(W)                                                              # [K]
         cache.window[inp.token_slots()[t], inp.positions[0, t] % W] = kv[0, t].to(cache.window.dtype)
-    return output(a, o.view(B, S, a.n_heads, a.head_dim), proj, ops, num)
+    return output(a, o.view(B, S, a.n_heads, a.head_dim), proj, ops, num, sp)
 
 
 def q_up(a: Attention, latent: torch.Tensor, group, ops: Ops, num: Numerics) -> dict:
@@ -256,9 +284,9 @@ def q_up(a: Attention, latent: torch.Tensor, group, ops: Ops, num: Numerics) -> 
     return out
 
 
-def output(a: Attention, o: torch.Tensor, proj, ops: Ops, num: Numerics) -> torch.Tensor:
+def output(a: Attention, o: torch.Tensor, proj, ops: Ops, num: Numerics, sp: SeqSplit | None = None) -> torch.Tensor:
     """o [B,S,H,Dh] -> [B,S,D]: grouped wo_a (bf16, as DeepSeek's converter leaves it), wo_b, and
-    the all-reduce over the ranks' heads. Small steps: each a packed launch (the "wo_a" and "wo"
+    the sum over the ranks' heads (close). Small steps: each a packed launch (the "wo_a" and "wo"
     groups, projections.py)."""
     small = o.shape[0] * o.shape[1] <= WO_GROUP_MAX_M
     if small and proj.get("wo_a") is not None:       # one head group on this rank: a plain GEMM
@@ -267,8 +295,8 @@ def output(a: Attention, o: torch.Tensor, proj, ops: Ops, num: Numerics) -> torc
         o = o.flatten(-2).unflatten(-1, (a.n_groups, -1))                                   # [B,S,G,H/G*Dh]
         z = torch.einsum("...gd,grd->...gr", o, a.wo_a.weight.unflatten(0, (a.n_groups, -1))).flatten(-2)
     if small and proj.get("wo") is not None:
-        return all_reduce(ops.proj_gemm(z, proj["wo"])["wo_b"])
-    return all_reduce(linear(a.wo_b, z, ops, num))                                          # [B,S,D]
+        return close(ops.proj_gemm(z, proj["wo"])["wo_b"], sp)
+    return close(linear(a.wo_b, z, ops, num), sp)                                           # [B,S,D]
 
 
 def chunk_window(kv: torch.Tensor, inp: StepInputs, ring: torch.Tensor):
@@ -341,24 +369,30 @@ def indexer_queries(ix: Indexer, y: dict, q: torch.Tensor, cos: torch.Tensor, si
 
 
 def indexer_select(ix: Indexer, y: dict, q: torch.Tensor, inp: StepInputs, cache: LayerCache, n: int,
-                   ops: Ops) -> torch.Tensor:
+                   ops: Ops, sp: SeqSplit | None = None) -> torch.Tensor:
     """Score each query q [B,S,h,d] (indexer_queries) against the first n entries of its sequence
-    -> the top-k entries' flat pool rows [B*S,k] (-1 where none)."""
+    -> the top-k entries' flat pool rows [B*S,k] (-1 where none). sp: the indexer is replicated, so
+    each rank scores its own tokens' queries and the rows are gathered (sequence.mine)."""
     w = y["idx.weights_proj"]                                         # [B,S,h]; scaled inside the op
     visible = inp.once(("visible entries", ix.ratio), lambda: ((inp.positions + 1) // ix.ratio).flatten())
     table = inp.block_table if inp.decode else inp.token_table()                              # [B*S,blocks]
+    q, w = q.flatten(0, 1), w.flatten(0, 1)
+    if sp is not None:
+        q, w, visible, table = (sequence.mine(t, sp) for t in (q, w, visible, table))          # [n,...]
     k = max(1, min(ix.topk, n))
-    return ops.indexer_topk(q.flatten(0, 1).contiguous(), w.flatten(0, 1).contiguous(), cache.idx_k.flatten(0, 1),
-                            table, inp.block_tokens // ix.ratio, visible, k, max(n, 1),
+    rows = ops.indexer_topk(q.contiguous(), w.contiguous(), cache.idx_k.flatten(0, 1), table,
+                            inp.block_tokens // ix.ratio, visible, k, max(n, 1),
                             w_scale=ix.head_dim ** -0.5 * ix.n_heads ** -0.5)[1]
+    return rows if sp is None else sequence.gather(rows[None], sp)[0]                      # [B*S,k]
 
 
 # ---- MoE ----
 def moe(m: MoE, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, ids: torch.Tensor, ops: Ops,
-        num: Numerics, w2=None) -> torch.Tensor:
+        num: Numerics, w2=None, sp: SeqSplit | None = None) -> torch.Tensor:
     """x [B,S,D] (xa: its FP8 rounding, or None; xq: that as codes and scales, or None), ids [B,S]
     (hash routing), w2: the shared expert's w2 group (or None) -> [B,S,D] fp32 (the reference casts
-    it to x's dtype; mhc_post does): routed experts + shared expert, one all-reduce."""
+    it to x's dtype; mhc_post does): routed experts + shared expert, summed over the ranks (close;
+    sp: this rank's tokens' [1,n,D])."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])                                                          # [T,D]
     xa = xa.reshape(x.shape) if xa is not None else None
@@ -384,7 +418,7 @@ def moe(m: MoE, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, ids: torch.T
         if s is not None:
             join(ops)
         out = e(x, w, idx) if shared is None else e(x, w, idx) + up(shared)
-    return all_reduce(out).reshape(shape)      # fp32: mhc_post casts it to the streams' dtype (no launch here)
+    return close(out.reshape(shape), sp)   # fp32: mhc_post casts it to the streams' dtype (no launch here)
 
 
 def route(gate, x: torch.Tensor, logits: torch.Tensor | None, ids: torch.Tensor, packed, ops: Ops):

@@ -21,3 +21,11 @@ def all_gather_us(out_bytes: int, size: int, alpha_us: float = ALPHA_US, beta_gb
     if size == 1:
         return 0.0
     return alpha_us + (size - 1) / size * out_bytes / (beta_gbs * 1e3)
+
+
+def reduce_scatter_us(in_bytes: int, size: int, alpha_us: float = ALPHA_US, beta_gbs: float = BETA_GBS) -> float:
+    """One ring reduce-scatter of an in_bytes input: each rank sends and receives (n-1)/n of it
+    (an all-reduce is a reduce-scatter and then an all-gather of the same bytes)."""
+    if size == 1:
+        return 0.0
+    return alpha_us + (size - 1) / size * in_bytes / (beta_gbs * 1e3)

@@ -59,7 +59,8 @@ def from_torchrun() -> tuple[int, int] | None:
 class SimulatedGroup:
     """A stand-in process group for one rank of `size` run alone: the model builds its shards
     and every collective returns a tensor of the right shape without talking to anyone.
-    all_reduce returns x unchanged; all_gather_last repeats x once per rank. The numbers are
+    all_reduce returns x unchanged; all_gather_last and all_gather repeat x once per rank;
+    reduce_scatter returns this rank's rows of x. The numbers are
     not the real model's (nothing is summed): it is for timing one rank and for shape tests.
 
     Every call is counted (`calls`) and its cost under parallel.latency's model summed
@@ -73,7 +74,7 @@ class SimulatedGroup:
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in [0, {size})")
         self.rank, self.size, self.modelled = rank, size, modelled
-        self.calls = {"all_reduce": 0, "all_gather": 0}
+        self.calls = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
         self.modelled_us = 0.0
         self.cycles_per_us = None   # the SM clock, measured by calibrate()
 
@@ -85,6 +86,16 @@ class SimulatedGroup:
         out = x.repeat(*([1] * (x.dim() - 1)), self.size)
         self._spend("all_gather", latency.all_gather_us(out.numel() * out.element_size(), self.size), x)
         return out
+
+    def all_gather(self, x):
+        out = x.repeat(self.size, *([1] * (x.dim() - 1)))
+        self._spend("all_gather", latency.all_gather_us(out.numel() * out.element_size(), self.size), x)
+        return out
+
+    def reduce_scatter(self, x):
+        n = x.shape[0] // self.size
+        self._spend("reduce_scatter", latency.reduce_scatter_us(x.numel() * x.element_size(), self.size), x)
+        return x[self.rank * n:(self.rank + 1) * n]
 
     def calibrate(self, device, cycles: int = 20_000_000) -> float:
         """Measure the SM clock (cycles per us) that torch.cuda._sleep counts, by CUDA events
