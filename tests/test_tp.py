@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(path, tp, prompts, params=GREEDY, **kw):
+def _run(path, tp, prompts, params=GREEDY, outputs=False, **kw):
     llm = LLM(path, tp=tp, device="cpu", dtype=torch.float32, max_num_seqs=4, numerics="plain", tp_timeout=60, **kw)
     seen = {}
 
@@ -34,7 +34,7 @@ def _run(path, tp, prompts, params=GREEDY, **kw):
         outs = llm.generate(prompts, params)
     finally:
         llm.shutdown()
-    return [o.token_ids for o in outs], seen
+    return ([o.token_ids for o in outs], seen) + ((outs,) if outputs else ())
 
 
 def _prompts(vocab):
@@ -66,36 +66,27 @@ def _counting(monkeypatch, module, name):
 def test_sequence_parallel_prefill_reproduces_tp1(tiny_ckpt, monkeypatch, preset, tp):
     """Sequence-parallel prefill (parallel/sequence.py, its threshold lowered so these prompts
     split: the workers take rank 0's) gives tp=1's tokens and logits: one step of both prompts
-    (49 tokens, so the last rank keeps padding rows), steps of chunks of 16 beside decode rows, and
-    prompt logprobs (every prompt token's logit row gathered from the rank that keeps it)."""
+    (49 tokens, so the last rank keeps padding rows), prompt logprobs (every prompt token's logit
+    row gathered from the rank that keeps it) and, at tp = 4, steps of chunks of 16 beside decode rows."""
     path = tiny_ckpt(preset, 0)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 129280, (n,), generator=g).tolist() for n in (37, 12)]
-    params = [GREEDY, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)]
-    want_tokens, want = _run(path, 1, prompts, params)
-    want_lp = _prompt_logprobs(path, 1, prompts)
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
+    want_tokens, want, want_outs = _run(path, 1, prompts, params, outputs=True)
     monkeypatch.setattr(sequence, "SP_MIN_T", 8)
     splits = _counting(monkeypatch, sequence, "scatter")
-    got_tokens, got = _run(path, tp, prompts, params)
+    got_tokens, got, got_outs = _run(path, tp, prompts, params, outputs=True)
     assert splits, "no step was split"
     assert got_tokens == want_tokens and set(got) == set(want)
     assert max(rel_err(got[k], want[k]).item() for k in want) <= 1e-4
-    got_lp = _prompt_logprobs(path, tp, prompts)
-    for a, b in zip(got_lp, want_lp):
-        assert [None if d is None else sorted(d) for d in a] == [None if d is None else sorted(d) for d in b]
-        for da, db in zip(a[1:], b[1:]):
-            assert all(abs(da[t] - db[t]) <= 1e-4 * max(1.0, abs(db[t])) for t in db)
-    chunked, _ = _run(path, tp, prompts, params, chunk_size=16)
-    assert chunked == want_tokens
-
-
-def _prompt_logprobs(path, tp, prompts):
-    llm = LLM(path, tp=tp, device="cpu", dtype=torch.float32, max_num_seqs=4, numerics="plain", tp_timeout=60)
-    try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))
-    finally:
-        llm.shutdown()
-    return [o.prompt_logprobs for o in outs]   # per prompt: None, then {token: logprob} per token
+    a, b = got_outs[0].prompt_logprobs, want_outs[0].prompt_logprobs     # None, then {token: logprob} per token
+    assert len(a) == len(b) == 37 and a[0] is None is b[0]
+    for da, db in zip(a[1:], b[1:]):
+        assert sorted(da) == sorted(db) and all(abs(da[t] - db[t]) <= 1e-4 * max(1.0, abs(db[t])) for t in db)
+    if tp == 4:
+        chunked, _ = _run(path, tp, prompts, params, chunk_size=16)
+        assert chunked == want_tokens
 
 
 @pytest.mark.parametrize("numerics", ["plain", "reference"])
