@@ -228,7 +228,7 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, 
     B, S, _ = x.shape
     cos, sin = inp.cos_sin(a.rope_key, a.inv_freq)                                        # [B,S,R/2]
     y = ops.proj_gemm(x, proj["attn"], xa=xa, xq=xq)   # wq_a, wkv, the compressors' and indexer's x projections: one GEMM
-    yq = q_up(a, y["wq_a"], proj.get("q"), ops, num)                    # the q latent's norm and up-projections
+    yq = q_up(a, y["wq_a"], proj.get("q"), ops, num, sp)                # the q latent's norm and up-projections
     n = inp.max_len // a.ratio if a.compressor is not None else 0      # entries visible to the latest token
     # decode: rope_qkv, the compressors and the indexer's queries in one launch (kernels/kv_prep.py);
     # unfused, the indexer's keys, queries, scores and top-k run beside this layer's own jobs
@@ -237,7 +237,7 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, 
         if a.indexer is not None:
             entry_cos_sin(inp, a.ratio, a.inv_freq)      # made here: both compressors read it
             with beside(ops, inp.decode and not fused):
-                iq = indexer_queries(a.indexer, y, yq["idx.wq_b"], cos, sin, inp, cache, a.inv_freq, ops, num)
+                iq = indexer_queries(a.indexer, y, yq["idx.wq_b"], cos, sin, inp, cache, a.inv_freq, ops, num, sp)
                 if not fused:
                     idx_b = indexer_select(a.indexer, y, iq, inp, cache, n, ops, sp)             # [B*S,k]
         q = yq["wq_b"].unflatten(-1, (a.n_heads, a.head_dim))                                # [B,S,H,Dh]
@@ -271,16 +271,17 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, 
     return output(a, o.view(B, S, a.n_heads, a.head_dim), proj, ops, num, sp)
 
 
-def q_up(a: Attention, latent: torch.Tensor, group, ops: Ops, num: Numerics) -> dict:
-    """The q latent [B,S,q_lora] -> {"wq_b": [B,S,H*Dh], "idx.wq_b": [B,S,h*d] (indexed layers)}
-    of rms_norm(latent). Small steps: one packed GEMM with the norm inside; larger: the norm, then
+def q_up(a: Attention, latent: torch.Tensor, group, ops: Ops, num: Numerics, sp: SeqSplit | None = None) -> dict:
+    """The q latent [B,S,q_lora] -> {"wq_b": [B,S,H*Dh], "idx.wq_b": [B,S,h*d] (indexed layers;
+    sp: of this rank's tokens [1,n,h*d], the replicated indexer's queries are its own alone) of
+    rms_norm(latent). Small steps: one packed GEMM with the norm inside; larger: the norm, then
     cuBLAS (projections.Q_GROUP_MAX_M says why)."""
-    if group is not None and latent.shape[0] * latent.shape[1] <= Q_GROUP_MAX_M:
+    if group is not None and latent.shape[0] * latent.shape[1] <= Q_GROUP_MAX_M and sp is None:
         return ops.proj_gemm(latent, group, norm=(a.q_norm.weight, a.eps))
     qr = ops.rms_norm(latent, a.q_norm.weight, a.eps)
     out = {"wq_b": linear(a.wq_b, qr, ops, num)}
     if a.indexer is not None:
-        out["idx.wq_b"] = linear(a.indexer.wq_b, qr, ops, num)
+        out["idx.wq_b"] = linear(a.indexer.wq_b, qr if sp is None else sequence.mine(qr[0], sp)[None], ops, num)
     return out
 
 
@@ -360,11 +361,14 @@ def entry_cos_sin(inp: StepInputs, ratio: int, inv_freq: torch.Tensor):
 
 
 def indexer_queries(ix: Indexer, y: dict, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    inp: StepInputs, cache: LayerCache, inv_freq: torch.Tensor, ops: Ops, num: Numerics):
+                    inp: StepInputs, cache: LayerCache, inv_freq: torch.Tensor, ops: Ops, num: Numerics,
+                    sp: SeqSplit | None = None):
     """Update the indexer keys (from its compressor's projections in y) -> its queries q [B,S,h*d]
-    (its wq_b of the q latent) roped (then Hadamard + FP4): [B,S,h,d]."""
+    (its wq_b of the q latent; sp: this rank's tokens' [1,n,h*d]) roped (then Hadamard + FP4): [B,S,h,d]."""
     compress(ix.compressor, y["idx.comp.wkv"], y["idx.comp.wgate"], inp, cache.idx_kv_state, cache.idx_score_state,
              cache.idx_k, inv_freq, q.dtype, ops, num)
+    if sp is not None:
+        cos, sin = (sequence.mine(t[0], sp)[None] for t in (cos, sin))                     # [1,n,R/2]
     return ops.rope_q(q.unflatten(-1, (ix.n_heads, ix.head_dim)), cos, sin, fp4=num.indexer_fp4)
 
 
@@ -372,13 +376,13 @@ def indexer_select(ix: Indexer, y: dict, q: torch.Tensor, inp: StepInputs, cache
                    ops: Ops, sp: SeqSplit | None = None) -> torch.Tensor:
     """Score each query q [B,S,h,d] (indexer_queries) against the first n entries of its sequence
     -> the top-k entries' flat pool rows [B*S,k] (-1 where none). sp: the indexer is replicated, so
-    each rank scores its own tokens' queries and the rows are gathered (sequence.mine)."""
+    each rank scores its own tokens' queries (q is theirs already, q_up) and the rows are gathered."""
     w = y["idx.weights_proj"]                                         # [B,S,h]; scaled inside the op
     visible = inp.once(("visible entries", ix.ratio), lambda: ((inp.positions + 1) // ix.ratio).flatten())
     table = inp.block_table if inp.decode else inp.token_table()                              # [B*S,blocks]
     q, w = q.flatten(0, 1), w.flatten(0, 1)
     if sp is not None:
-        q, w, visible, table = (sequence.mine(t, sp) for t in (q, w, visible, table))          # [n,...]
+        w, visible, table = (sequence.mine(t, sp) for t in (w, visible, table))                # [n,...]
     k = max(1, min(ix.topk, n))
     rows = ops.indexer_topk(q.contiguous(), w.contiguous(), cache.idx_k.flatten(0, 1), table,
                             inp.block_tokens // ix.ratio, visible, k, max(n, 1),
