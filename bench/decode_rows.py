@@ -18,7 +18,7 @@ def classify(name: str) -> str:
     return "glue"
 
 
-def allreduce_us(batch: int, layers: int, tp: int, alpha_us=latency.ALPHA_US, beta_gbs=latency.BETA_GBS) -> float:
+def allreduce_us(batch: int, layers: int, tp: int, alpha_us=None, beta_gbs=None) -> float:
     """Assumed NCCL all-reduce cost of one step (engine/parallel/latency.py's model): 2 calls per
     layer (attention, MoE) plus the embedding, each a bf16 [batch, 4096] message."""
     return (2 * layers + 1) * latency.all_reduce_us(batch * 4096 * 2, tp, alpha_us, beta_gbs)

@@ -85,8 +85,12 @@ def test_simulated_group_models_the_cost():
     assert g.modelled_us == pytest.approx(want)
     assert latency.all_reduce_us(1 << 20, 1) == 0
     sys.path.append(str(ROOT / "bench"))
-    from decode_rows import allreduce_us   # the decode rows keep their numbers: 8 us + 2(n-1)/n bytes / 150 GB/s
-    assert allreduce_us(4, 43, 8) == pytest.approx(87 * (8.0 + 2 * 7 / 8 * 4 * 4096 * 2 / 150e3))
+    from decode_rows import allreduce_us   # the decode rows: 8 us + 2(n-1)/n bytes / 300 GB/s a call
+    assert allreduce_us(4, 43, 8) == pytest.approx(87 * (8.0 + 2 * 7 / 8 * 4 * 4096 * 2 / 300e3))
+    from levers import lever_off           # the old assumption, read at call time by the simulated group
+    with lever_off("nccl_beta"):
+        assert latency.all_reduce_us(1 << 20, 8) == pytest.approx(8.0 + 2 * 7 / 8 * (1 << 20) / 150e3)
+    assert latency.all_reduce_us(1 << 20, 8) == pytest.approx(8.0 + 2 * 7 / 8 * (1 << 20) / 300e3)
 
 
 def test_bad_simulations_are_refused(small_dir):
