@@ -119,6 +119,17 @@ CASES = [  # kind, M, K, fp8 rows, act rounding, x dtype
 ]
 
 
+def check_rows(x, p, refs):
+    """rows: the named projections on those rows of their weight only (a split step's share of the
+    compressors' channels) -> exactly those columns of the whole projection, in the rows' order."""
+    n = p.outs["comp.wkv"][2]
+    rows = {"comp.wkv": torch.tensor([3, 0, n - 1], device=x.device),
+            "idx.comp.wgate": torch.arange(8, 40, device=x.device)}
+    want = {k: v[..., rows[k]] if k in rows else v for k, v in refs.items()}
+    check_group(pg.proj_gemm(x, p, rows=rows), want)
+    check_group(pg.proj_gemm_ref(x, p, rows=rows), want)
+
+
 def interp_proj():
     for i, (kind, M, K, fp8, act, dt) in enumerate(CASES):
         _, p = group(kind, K, dtype=dt, fp8=fp8, act=act)
@@ -131,6 +142,8 @@ def interp_proj():
         # the larger-M plans at a small M: x rounded once beforehand (pre_act); one GEMM per projection
         check_group(pg.proj_gemm(x, p, pre_act=True, block_m=128, num_stages=2, split_k=1), refs)
         check_group(pg.proj_gemm(x, p, unfused=True), refs)
+        if kind == "x":
+            check_rows(x, p, refs)
         # x's rounding made by its producer (mhc_pre's act_out): the same values the tiles round to
         xa = fp8_sim(x, 128)
         for kw in (dict(split_k=1), dict(split_k=3), dict(unfused=True)):
@@ -204,6 +217,8 @@ def test_gpu_real_groups(name, M):
         check_group(pg.proj_gemm(x, p, split_k=split_k), refs)
     check_group(pg.proj_gemm(x, p, pre_act=M < pg.LARGE_M, unfused=False), refs)   # the other way to round x
     check_group(pg.proj_gemm(x, p, unfused=M < pg.UNFUSED_M), refs)                # the other path
+    if kind == "x":
+        check_rows(x, p, refs)
     if kind != "q":     # x rounded by its producer (mhc_pre): the same bits as rounding it per tile
         want, got = pg.proj_gemm(x, p), pg.proj_gemm(x, p, xa=fp8_sim(x, 128))
         assert all(torch.equal(want[k], got[k]) for k in want)

@@ -67,7 +67,8 @@ def test_sequence_parallel_prefill_reproduces_tp1(tiny_ckpt, monkeypatch, preset
     """Sequence-parallel prefill (parallel/sequence.py, its threshold lowered so these prompts
     split: the workers take rank 0's) gives tp=1's tokens and logits: one step of both prompts
     (49 tokens, so the last rank keeps padding rows), prompt logprobs (every prompt token's logit
-    row gathered from the rank that keeps it) and, at tp = 4, steps of chunks of 16 beside decode rows."""
+    row gathered from the rank that keeps it) and, at tp = 4, steps of chunks of 16 beside decode rows.
+    The compressors' projections split by channel (sequence.ChannelSplit) in those steps."""
     path = tiny_ckpt(preset, 0)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 129280, (n,), generator=g).tolist() for n in (37, 12)]
@@ -76,8 +77,10 @@ def test_sequence_parallel_prefill_reproduces_tp1(tiny_ckpt, monkeypatch, preset
     want_tokens, want, want_outs = _run(path, 1, prompts, params, outputs=True)
     monkeypatch.setattr(sequence, "SP_MIN_T", 8)
     splits = _counting(monkeypatch, sequence, "scatter")
+    channel_gathers = _counting(monkeypatch, sequence.ChannelSplit, "gather")
     got_tokens, got, got_outs = _run(path, tp, prompts, params, outputs=True)
     assert splits, "no step was split"
+    assert channel_gathers, "no compressor's channels were split"
     assert got_tokens == want_tokens and set(got) == set(want)
     assert max(rel_err(got[k], want[k]).item() for k in want) <= 1e-4
     a, b = got_outs[0].prompt_logprobs, want_outs[0].prompt_logprobs     # None, then {token: logprob} per token

@@ -331,7 +331,7 @@ def proj_plan(M, N, K, device=None, block_m=None, block_n=None, split_k=None, nu
 
 
 def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None, xa=None, xq=None, swiglu=None,
-              **plan_kw) -> dict:
+              rows=None, **plan_kw) -> dict:
     """x [..., K] -> {name: [..., out]}: each projection of the group, in x's dtype (lo) or fp32
     (hi). norm = (weight [K], eps): the group reads rms_norm(x, weight, eps), normed in the
     kernel. xa: fp8_sim(x, 128), when x's producer made it (mhc_pre's act_out): the act rows read
@@ -343,13 +343,15 @@ def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None,
     group reads swiglu_act(x, u, limit) in x's dtype instead of x (the shared expert's w2 on its
     w1 and w3 outputs), made in the kernel's K loop; a group of FP8 rows only (else, or with norm /
     xa, or from UNFUSED_M tokens, the activation kernel runs first). workspace: a SplitKWorkspace,
-    or a name for a shared one of its own (a GEMM beside the step's stream: common.get_workspace)."""
+    or a name for a shared one of its own (a GEMM beside the step's stream: common.get_workspace).
+    rows = {name: row ids [n]}: those projections on those rows of their weight only, [..., n]
+    (sequence-parallel prefill's share of the compressors' channels; the per-projection path)."""
     if swiglu is not None:
         assert swiglu[0].shape == x.shape, (tuple(swiglu[0].shape), tuple(x.shape))
         if norm is not None or xa is not None or p.n8 != p.N or p.K % QBLOCK:
             x, swiglu = swiglu_act(x, swiglu[0], swiglu[1], False, x.dtype), None
     if p.K % QBLOCK or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return proj_gemm_ref(x, p, norm)
+        return proj_gemm_ref(x, p, norm, rows=rows)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, p.K)
     if x2.stride(-1) != 1:
@@ -364,10 +366,10 @@ def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None,
         if u2.stride(-1) != 1:
             u2 = u2.contiguous()
         xq = None
-    if (M >= UNFUSED_M if unfused is None else unfused) and p.dense is not None:
+    if (M >= UNFUSED_M if unfused is None else unfused) and p.dense is not None or rows:
         if swiglu is not None:
             x2 = swiglu_act(x2, u2, swiglu[1], False, x2.dtype)
-        return proj_unfused(x2, p, norm, lead, xa2)
+        return proj_unfused(x2, p, norm, lead, xa2, rows)
     lo = torch.empty(M * p.lo_width, dtype=x.dtype, device=x.device)
     hi = torch.empty(M * p.hi_width, dtype=torch.float32, device=x.device)
     if M:
@@ -398,7 +400,7 @@ def _limit(limit: float) -> float:
     return limit if limit > 0 else float("inf")      # SwiGLU's clamp; 0: none (swiglu.py's convention)
 
 
-def proj_unfused(x2: torch.Tensor, p: Proj, norm, lead, xa=None) -> dict:
+def proj_unfused(x2: torch.Tensor, p: Proj, norm, lead, xa=None, rows=None) -> dict:
     """The group as one GEMM per projection, for large M where the GEMMs are compute-bound: x
     rounded to e4m3 once for the act rows, cuBLAS (F.linear) for the x-dtype outputs, the bf16
     GEMM kernel for the fp32 ones. bench/proj.py: 2.4-3x faster than the packed kernel at M = 8192,
@@ -410,15 +412,16 @@ def proj_unfused(x2: torch.Tensor, p: Proj, norm, lead, xa=None) -> dict:
     res = {}
     for name, (r, _, out, lo) in p.outs.items():
         xi = xa if r < p.n_act else x2
-        y = F.linear(xi, p.dense[name]) if lo else bf16_gemm(xi, p.dense[name])
-        res[name] = y.view(*lead, out)
+        w = p.dense[name] if not rows or name not in rows else p.dense[name][rows[name]]
+        y = F.linear(xi, w) if lo else bf16_gemm(xi, w)
+        res[name] = y.view(*lead, w.shape[0])
     return res
 
 
-def proj_gemm_ref(x: torch.Tensor, p: Proj, norm=None, swiglu=None, **_) -> dict:
+def proj_gemm_ref(x: torch.Tensor, p: Proj, norm=None, swiglu=None, rows=None, **_) -> dict:
     """Torch reference: swiglu_act_ref(x, *swiglu) in x's dtype when given, rms_norm(x) when
-    normed, then each projection's math on its dequantised rows, fp32 accumulate (fp64 for an
-    fp64 model); lo outputs cast to x's dtype."""
+    normed, then each projection's math on its dequantised rows (those of `rows`, as proj_gemm),
+    fp32 accumulate (fp64 for an fp64 model); lo outputs cast to x's dtype."""
     if swiglu is not None:
         x = swiglu_act_ref(x, swiglu[0], swiglu[1], False, x.dtype)
     if norm is not None:
@@ -432,6 +435,8 @@ def proj_gemm_ref(x: torch.Tensor, p: Proj, norm=None, swiglu=None, **_) -> dict
                                   .view(torch.float8_e8m0fnu))
         else:
             w = p.wd[r - p.n8:r - p.n8 + out]
+        if rows and name in rows:
+            w = w[rows[name]]
         act = r < p.n_act
         if act not in xs:
             xs[act] = up(fp8_sim_ref(x, QBLOCK)).to(wide)

@@ -67,7 +67,7 @@ class Compressor(nn.Module):
         """Windows kv, score [..., ratio, coff*d] -> [..., d]; a: (kv, score) [..., ratio, d], the A
         halves each window pools beside its own B half (overlap)."""
         if a is not None:
-            d = self.head_dim
+            d = a[0].shape[-1]                                # head_dim, or a channel split's share
             kv = torch.cat((a[0], kv[..., d:]), dim=-2)       # [..., 2*ratio, d]
             score = torch.cat((a[1], score[..., d:]), dim=-2)
         return (kv * score.softmax(dim=-2)).sum(dim=-2)
@@ -98,48 +98,63 @@ class Compressor(nn.Module):
 
     # ---- with the engine's cache: running state per sequence slot, entries in the block pool ----
     # (decode: engine.kernels.compressor.compress_decode, called by engine.model.step.compress)
-    def prefill(self, kv, score, inp, rows, kv_state, score_state, store, inv_freq, dtype, sim):
+    def prefill(self, kv, score, inp, rows, kv_state, score_state, store, inv_freq, dtype, sim, part=None):
         """A prefill step's projections kv, score [1,T,coff*d] fp32 (the wkv / wgate GEMMs, no ape;
         StepInputs' flat layout): each of `rows`' chunk (host row ids) has its completed windows
         become entries in the flat store [rows, d] at once; the open window stays in the state.
         Varlen: a fixed number of torch ops whatever the rows (index tables from prefill_plan, once
         per step and ratio); one-token rows go through the decode op instead
-        (engine.model.step.compress). prefill_ref is the same a row at a time."""
-        r, C = self.ratio, kv.shape[-1]
+        (engine.model.step.compress). prefill_ref is the same a row at a time. part: a
+        parallel.sequence.ChannelSplit when kv, score hold only this rank's channels of them
+        (part.channels()): the pool is per channel, so it runs on those, and one all-gather
+        (part.gather) makes the pooled entries and the state's new rows whole for the finish,
+        which needs every channel (norm, RoPE, rounding)."""
+        r, C = self.ratio, kv_state.shape[-1]
         p = prefill_plan(inp, rows, r, r if self.overlap else 0)
+        ch = None if part is None else part.channels(kv.device)                 # [C'] of the C columns
         ks, ss = kv_state.view(-1, C), score_state.view(-1, C)          # [slots*coff*r, C] views
+        ape = self.ape if ch is None else self.ape[:, ch]
         # every row's tokens from its open window's start: windows first, then what stays open
-        ext_kv = self._extend(ks, kv[0], p, None)                          # [X, C]
-        ext_sc = self._extend(ss, score[0], p, self.ape[p["tk_ape"]])
-        E = p["E"]
+        ext_kv = self._extend(ks, kv[0], p, None, ch)                      # [X, C']
+        ext_sc = self._extend(ss, score[0], p, ape[p["tk_ape"]], ch)
+        E, Cp = p["E"], kv.shape[-1]
+        made = []                       # the pooled entries, each row's last window, the open tokens
         if E:
-            kvw, scw = ext_kv[:E * r].view(E, r, C), ext_sc[:E * r].view(E, r, C)
-            a = self._prev_a(kvw, scw, kv_state, score_state, p) if self.overlap else None
-            c = self.finish(self._softpool(kvw, scw, a)[None], p["entry"], inv_freq, dtype, sim)[0]   # [E,d]
-            store[p["loc"]] = c.to(store.dtype)
+            kvw, scw = ext_kv[:E * r].view(E, r, Cp), ext_sc[:E * r].view(E, r, Cp)
+            a = self._prev_a(kvw, scw, kv_state, score_state, p, ch) if self.overlap else None
+            made.append(self._softpool(kvw, scw, a))                                    # [E,d']
             if self.overlap:        # each row's last complete window is the next entry's A half
-                kv_state[p["emit_slot"], :r] = kvw[p["last_win"]]
-                score_state[p["emit_slot"], :r] = scw[p["last_win"]]
-        ks[p["rest_idx"]] = ext_kv[E * r:]
-        ss[p["rest_idx"]] = ext_sc[E * r:]
+                made += [kvw[p["last_win"]], scw[p["last_win"]]]
+        made += [ext_kv[E * r:], ext_sc[E * r:]]
+        if part is not None:
+            made = part.gather(made)                                    # every channel: [..., C]
+        if E:
+            c = self.finish(made[0][None], p["entry"], inv_freq, dtype, sim)[0]                  # [E,d]
+            store[p["loc"]] = c.to(store.dtype)
+            if self.overlap:
+                kv_state[p["emit_slot"], :r], score_state[p["emit_slot"], :r] = made[1], made[2]
+        ks[p["rest_idx"]], ss[p["rest_idx"]] = made[-2], made[-1]
 
     @staticmethod
-    def _extend(state, new, p, ape):
-        """state [slots*coff*r, C] and new tokens [T, C] -> [X, C]: the open windows' earlier tokens
-        from the state, the chunks' tokens (plus their ape, if given) from `new`, in plan order."""
+    def _extend(state, new, p, ape, ch=None):
+        """state [slots*coff*r, C] and new tokens [T, C'] (C' = C, or the columns ch) -> [X, C']: the
+        open windows' earlier tokens from the state, the chunks' tokens (plus their ape, if given)
+        from `new`, in plan order."""
         out = new.new_empty(p["X"], new.shape[-1])
-        out[p["st_pos"]] = state[p["st_idx"]]
+        out[p["st_pos"]] = state[p["st_idx"]] if ch is None else state[p["st_idx"][:, None], ch]
         tok = new[p["tk_tok"]]
         out[p["tk_pos"]] = tok if ape is None else tok + ape
         return out
 
-    def _prev_a(self, kvw, scw, kv_state, score_state, p):
+    def _prev_a(self, kvw, scw, kv_state, score_state, p, ch=None):
         """Ratio 4: the A halves [E,r,d] each window pools: the window before it in the same row,
-        or for a row's first window the state's previous window (read before it is overwritten)."""
-        d, r = self.head_dim, self.ratio
+        or for a row's first window the state's previous window (read before it is overwritten).
+        ch: the columns kvw holds (A's first), else all."""
+        d, r = kvw.shape[-1] // 2, self.ratio
         a_kv, a_sc = kvw[..., :d].roll(1, 0), scw[..., :d].roll(1, 0)
-        a_kv[p["first_win"]] = kv_state[p["emit_slot"], :r, :d]
-        a_sc[p["first_win"]] = score_state[p["emit_slot"], :r, :d]
+        cols = slice(0, d) if ch is None else ch[:d]
+        a_kv[p["first_win"]] = kv_state[p["emit_slot"], :r][..., cols]
+        a_sc[p["first_win"]] = score_state[p["emit_slot"], :r][..., cols]
         return a_kv, a_sc
 
     def prefill_ref(self, kv, score, inp, rows, kv_state, score_state, store, inv_freq, dtype, sim):

@@ -28,7 +28,7 @@ from ..kernels.step_tables import entry_rows_ref, window_rows_ref
 from ..numerics import Numerics, up
 from ..parallel import sequence
 from ..parallel.comm import all_reduce
-from ..parallel.sequence import SeqSplit
+from ..parallel.sequence import ChannelSplit, SeqSplit
 from .attention import Attention
 from .block import Block
 from .compressor import Compressor
@@ -227,7 +227,9 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, 
     compressed entries: flat row lists the sparse MQA kernel reads in place."""
     B, S, _ = x.shape
     cos, sin = inp.cos_sin(a.rope_key, a.inv_freq)                                        # [B,S,R/2]
-    y = ops.proj_gemm(x, proj["attn"], xa=xa, xq=xq)   # wq_a, wkv, the compressors' and indexer's x projections: one GEMM
+    parts = channel_parts(a, sp)        # split steps: each compressor's projections on this rank's channels
+    y = ops.proj_gemm(x, proj["attn"], xa=xa, xq=xq,   # wq_a, wkv, the compressors' and indexer's x projections: one GEMM
+                      rows={pre + w: c.channels(x.device) for pre, c in parts.items() for w in ("wkv", "wgate")} or None)
     yq = q_up(a, y["wq_a"], proj.get("q"), ops, num, sp)                # the q latent's norm and up-projections
     n = inp.max_len // a.ratio if a.compressor is not None else 0      # entries visible to the latest token
     # decode: rope_qkv, the compressors and the indexer's queries in one launch (kernels/kv_prep.py);
@@ -237,7 +239,8 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, 
         if a.indexer is not None:
             entry_cos_sin(inp, a.ratio, a.inv_freq)      # made here: both compressors read it
             with beside(ops, inp.decode and not fused):
-                iq = indexer_queries(a.indexer, y, yq["idx.wq_b"], cos, sin, inp, cache, a.inv_freq, ops, num, sp)
+                iq = indexer_queries(a.indexer, y, yq["idx.wq_b"], cos, sin, inp, cache, a.inv_freq, ops, num, sp,
+                                     parts.get("idx.comp."))
                 if not fused:
                     idx_b = indexer_select(a.indexer, y, iq, inp, cache, n, ops, sp)             # [B*S,k]
         q = yq["wq_b"].unflatten(-1, (a.n_heads, a.head_dim))                                # [B,S,H,Dh]
@@ -248,7 +251,7 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, 
                              fp8=num.kv_fp8)                                                 # kv [B,S,Dh]
         if a.compressor is not None:
             compress(a.compressor, y["comp.wkv"], y["comp.wgate"], inp, cache.kv_state, cache.score_state,
-                     cache.kv, a.inv_freq, x.dtype, ops, num)
+                     cache.kv, a.inv_freq, x.dtype, ops, num, parts.get("comp."))
     W = cache.window.shape[1]
     if inp.decode:
         kv_a = cache.window.flatten(0, 1)
@@ -330,13 +333,25 @@ def entry_rows(inp: StepInputs, ratio: int, n: int) -> torch.Tensor:
 
 
 # ---- compressor and indexer ----
+def channel_parts(a: Attention, sp: SeqSplit | None) -> dict:
+    """A split step's channel split of each compressor, by its prefix in the attn group ({}: none)."""
+    out = {}
+    for pre, c in (("comp.", a.compressor), ("idx.comp.", a.indexer.compressor if a.indexer is not None else None)):
+        part = sequence.channel_split(sp, c.head_dim, 2 if c.overlap else 1) if c is not None else None
+        if part is not None:
+            out[pre] = part
+    return out
+
+
 def compress(c: Compressor, kv: torch.Tensor, score: torch.Tensor, inp: StepInputs, kv_state: torch.Tensor,
              score_state: torch.Tensor, store: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, ops: Ops,
-             num: Numerics):
+             num: Numerics, part: ChannelSplit | None = None):
     """Feed this step's projections kv, score [B,S,coff*d] (fp32) into the compressor's running
     state; windows that complete become entries (in the model's dtype, then `store`'s) in `store`
     [blocks, per_block, d]. Prefill: the one-token rows (a mixed step's decode rows) all at once
-    through the decode op, the longer chunks through the compressor's torch prefill."""
+    through the decode op, the longer chunks through the compressor's torch prefill. part: kv and
+    score hold only this rank's channels (a split step, channel_parts): the decode op gets its
+    rows' every channel by an all-gather, the prefill pools the share and gathers the result."""
     sim = c.sim_of(num)
     code = {None: SIM_NONE, "fp8": SIM_FP8, "fp4": SIM_FP4}[sim]
     if inp.decode:
@@ -348,11 +363,12 @@ def compress(c: Compressor, kv: torch.Tensor, score: torch.Tensor, inp: StepInpu
     if single:
         t, b = inp.single_tokens()                                                           # [m], [m]
         cos, sin = entry_cos_sin(inp, c.ratio, inv_freq)                                     # [1,T,R/2]
-        ops.compress_decode(kv[0, t], score[0, t], c.ape, kv_state, score_state, store.flatten(0, 1), inp.slots[b],
+        kv_t, score_t = (kv[0, t], score[0, t]) if part is None else part.gather([kv[0, t], score[0, t]])
+        ops.compress_decode(kv_t, score_t, c.ape, kv_state, score_state, store.flatten(0, 1), inp.slots[b],
                             inp.positions[0, t, None], inp.block_table[b], inp.block_tokens, c.norm.weight,
                             cos[0, t], sin[0, t], c.norm.eps, c.ratio, code)
     if rows:
-        c.prefill(kv, score, inp, rows, kv_state, score_state, store.flatten(0, 1), inv_freq, dtype, sim)
+        c.prefill(kv, score, inp, rows, kv_state, score_state, store.flatten(0, 1), inv_freq, dtype, sim, part)
 
 
 def entry_cos_sin(inp: StepInputs, ratio: int, inv_freq: torch.Tensor):
@@ -362,11 +378,12 @@ def entry_cos_sin(inp: StepInputs, ratio: int, inv_freq: torch.Tensor):
 
 def indexer_queries(ix: Indexer, y: dict, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     inp: StepInputs, cache: LayerCache, inv_freq: torch.Tensor, ops: Ops, num: Numerics,
-                    sp: SeqSplit | None = None):
-    """Update the indexer keys (from its compressor's projections in y) -> its queries q [B,S,h*d]
-    (its wq_b of the q latent; sp: this rank's tokens' [1,n,h*d]) roped (then Hadamard + FP4): [B,S,h,d]."""
+                    sp: SeqSplit | None = None, part: ChannelSplit | None = None):
+    """Update the indexer keys (from its compressor's projections in y; part: their channel split,
+    compress) -> its queries q [B,S,h*d] (its wq_b of the q latent; sp: this rank's tokens'
+    [1,n,h*d]) roped (then Hadamard + FP4): [B,S,h,d]."""
     compress(ix.compressor, y["idx.comp.wkv"], y["idx.comp.wgate"], inp, cache.idx_kv_state, cache.idx_score_state,
-             cache.idx_k, inv_freq, q.dtype, ops, num)
+             cache.idx_k, inv_freq, q.dtype, ops, num, part)
     if sp is not None:
         cos, sin = (sequence.mine(t[0], sp)[None] for t in (cos, sin))                     # [1,n,R/2]
     return ops.rope_q(q.unflatten(-1, (ix.n_heads, ix.head_dim)), cos, sin, fp4=num.indexer_fp4)

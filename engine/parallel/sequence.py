@@ -12,7 +12,10 @@ Megatron-LM's sequence parallelism (Korthikanti et al., "Reducing Activation Rec
 Large Transformer Models", 2022), applied to the mHC streams. The head's rows come back by one
 all-reduce of the rows each rank owns (zeros elsewhere: the sum is exact). What every rank
 would compute alike (the replicated lightning indexer's scores and top-k) each rank does for its
-own tokens, and the results are gathered.
+own tokens, and the results are gathered. The compressors' projections (fp32 outputs, ~5 TFLOP at
+8k over the 43 layers) split by channel instead (ChannelSplit): their pool is per channel, so each
+rank projects every token onto its 1/tp of the channels, pools them, and one all-gather makes the
+entries (and the state's open windows) whole for the finish, which needs every channel.
 
 Decode steps never split (their collectives cost their latency, not their bytes). Exact: every
 token's arithmetic is the one it has without the split, on whichever rank keeps it.
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .comm import all_gather, all_reduce, reduce_scatter
+from .comm import all_gather, all_gather_last, all_reduce, reduce_scatter
 from .state import tp_rank, tp_size
 
 SP_MIN_T = 1024     # a step's tokens from which its streams split over the ranks (bench/levers.py: seq_parallel)
@@ -82,3 +85,34 @@ def rows(x: torch.Tensor, sp: SeqSplit, tokens: list[int]) -> torch.Tensor:
         i, t = (torch.tensor(v, device=x.device) for v in zip(*mine))
         out[i] = x[t]
     return all_reduce(out)
+
+
+@dataclass(frozen=True)
+class ChannelSplit:
+    """A compressor's channels d over `size` ranks in a split step: this rank makes its projections'
+    columns `channels` (of coff*d: coff = 2 halves A and B at ratio 4, each d wide, else 1)."""
+    d: int
+    coff: int
+    size: int
+    rank: int
+
+    def channels(self, device=None) -> torch.Tensor:
+        """-> [coff*d/size] columns of the projections: this rank's channels of each half, A's first."""
+        k = self.d // self.size
+        j = torch.arange(self.rank * k, (self.rank + 1) * k, device=device)
+        return torch.cat([j + h * self.d for h in range(self.coff)])
+
+    def gather(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Tensors [..., m*d/size], m pieces of this rank's channels each (an entry: 1; a state row:
+        coff) -> [..., m*d] with every rank's channels in place: one all-gather for all of them."""
+        k = self.d // self.size
+        flat = torch.cat([x.reshape(-1, k) for x in xs])                # [rows, k]: each piece a row
+        whole = all_gather_last(flat).split([x.numel() // k for x in xs])   # [rows_i, d]
+        return [w.reshape(*x.shape[:-1], x.shape[-1] // k * self.d) for x, w in zip(xs, whole)]
+
+
+def channel_split(sp: SeqSplit | None, d: int, coff: int) -> ChannelSplit | None:
+    """A compressor's channel split in a split step (None: unsplit, or d does not divide)."""
+    if sp is None or d % sp.size:
+        return None
+    return ChannelSplit(d, coff, sp.size, sp.rank)
