@@ -40,6 +40,8 @@ from .common import gdc_enter, pdl_args, interpreting, num_sms, round_to, scratc
 from .moe_pack import PackedExperts, dequant_experts, pack_experts  # noqa: F401 (their home is moe_pack)
 
 BM_CHOICES = (16, 32, 64)    # routed rows per block (the wgmma N); 16 is the instruction minimum
+# warps of the expert GEMMs' programs by their BLOCK_M (a [128, BM] fp32 accumulator each)
+WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
 # Each pair's down-projection row is stored in the model dtype, rounded where the reference's
 # F.linear rounds it: half the bytes an fp32 row costs the down kernel's stores and the sum's
 # loads (an 8k prefill writes and reads 0.8 GB a layer of them in fp32). False: fp32 rows (the lever).
@@ -361,7 +363,7 @@ def _shared_args(shared_expert, T: int, D: int, dtype):
 
 def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0,
               block_m: int | None = None, split_k: int | None = None, use_asm: bool = True, shared=None,
-              aligned=None, after=None, shared_expert=None):
+              aligned=None, after=None, shared_expert=None, num_warps: int | None = None):
     """x [T,D] bf16 (or fp32), topk_weights [T,k] fp32, topk_ids [T,k] int (ids outside [0,E)
     contribute nothing) -> sum_k w * expert(x) [T,D] fp32, plus `shared` [T,D] (the shared
     expert's output, any float dtype) when given. block_m/split_k override moe_config. aligned:
@@ -369,7 +371,8 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     router made them (router.route's `packed`), else sorted here. after: the stream `shared` is
     made on (beside the routed experts): the sum waits for it. shared_expert: instead of
     `shared`, (g, u [T,IS], w2 [D,IS] in x's dtype, limit, fp8) of the shared expert for the down
-    kernel to finish (T <= 64): + w2 @ swiglu_act(g, u, limit, fp8) in x's dtype."""
+    kernel to finish (T <= 64): + w2 @ swiglu_act(g, u, limit, fp8) in x's dtype. num_warps:
+    the expert GEMMs' (default WARPS by the block's rows)."""
     T, D = x.shape
     k, E, I = topk_ids.shape[1], packed.E, packed.I
     if D != packed.D or x.dtype not in (torch.bfloat16, torch.float32):
@@ -377,6 +380,7 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     emu = interpreting()                              # CPU tests: plain ops, fp32 math
     bm, split = moe_config(T, k, E, I, D, num_sms(x.device, cpu=4))  # CPU: 4, so small tests split
     bm, split = block_m or bm, split_k or split
+    warps = num_warps or WARPS.get(bm, 4)
     kt_per = math.ceil((D // 128) / split)
     split = math.ceil((D // 128) / kt_per)
     mx, asm, f32 = packed.fmt == "mxfp4", use_asm and not emu, emu or x.dtype == torch.float32
@@ -392,7 +396,7 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     _gate_up_kernel[(nblk, I // 64, split)](
         x, packed.w13, packed.s13, packed.alpha, sorted_ids, bexp, tw, h, ws, cnt,
         n, D, I, x.stride(0), limit, kt_per, TOPK=k, BM=bm, SPLIT=split, MX=mx, ASM=asm, F32=f32,
-        num_warps=4, num_stages=3, **pdl_args())
+        num_warps=warps, num_stages=3, **pdl_args())
     y = torch.empty(n, D, dtype=x.dtype if PAIR_ROWS_IN_MODEL_DTYPE else torch.float32, device=x.device)
     out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     if after is not None:
@@ -416,7 +420,7 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
                                          g, u, w2s, IS, g.stride(0), u.stride(0), slimit,
                                          BM=bm, MX=mx, ASM=asm, F32=f32, SUM=fuse, TOPK=k, BT=4,
                                          SHARED=has_shared, SHX=shx, SH_FP8=sfp8,
-                                         num_warps=4, num_stages=3, **pdl_args())
+                                         num_warps=warps, num_stages=3, **pdl_args())
     if not fuse:
         _sum_kernel[(triton.cdiv(T, 4), triton.cdiv(D, 512))](y, ids, sh, out, T, D, E, sh.stride(0),
                                                               TOPK=k, BT=4, BD=512, SHARED=has_shared,

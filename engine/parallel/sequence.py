@@ -29,6 +29,7 @@ from .comm import all_gather, all_gather_last, all_reduce, reduce_scatter
 from .state import tp_rank, tp_size
 
 SP_MIN_T = 1024     # a step's tokens from which its streams split over the ranks (bench/levers.py: seq_parallel)
+CHANNEL_SPLIT = True    # split steps: the compressors' projections by channel (False: every rank all of them; channel_split)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,6 @@ class ChannelSplit:
 
 def channel_split(sp: SeqSplit | None, d: int, coff: int) -> ChannelSplit | None:
     """A compressor's channel split in a split step (None: unsplit, or d does not divide)."""
-    if sp is None or d % sp.size:
+    if sp is None or d % sp.size or not CHANNEL_SPLIT:
         return None
     return ChannelSplit(d, coff, sp.size, sp.rank)
