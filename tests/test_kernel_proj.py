@@ -121,13 +121,17 @@ CASES = [  # kind, M, K, fp8 rows, act rounding, x dtype
 
 def check_rows(x, p, refs):
     """rows: the named projections on those rows of their weight only (a split step's share of the
-    compressors' channels) -> exactly those columns of the whole projection, in the rows' order."""
+    compressors' channels) -> exactly those columns of the whole projection, in the rows' order;
+    names: only those projections."""
     n = p.outs["comp.wkv"][2]
     rows = {"comp.wkv": torch.tensor([3, 0, n - 1], device=x.device),
             "idx.comp.wgate": torch.arange(8, 40, device=x.device)}
     want = {k: v[..., rows[k]] if k in rows else v for k, v in refs.items()}
     check_group(pg.proj_gemm(x, p, rows=rows), want)
     check_group(pg.proj_gemm_ref(x, p, rows=rows), want)
+    names = ("wkv", "comp.wgate")              # only those projections (the router's own tokens)
+    check_group(pg.proj_gemm(x, p, names=names), {k: refs[k] for k in names})
+    check_group(pg.proj_gemm_ref(x, p, names=names), {k: refs[k] for k in names})
 
 
 def interp_proj():

@@ -331,7 +331,7 @@ def proj_plan(M, N, K, device=None, block_m=None, block_n=None, split_k=None, nu
 
 
 def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None, xa=None, xq=None, swiglu=None,
-              rows=None, **plan_kw) -> dict:
+              rows=None, names=None, **plan_kw) -> dict:
     """x [..., K] -> {name: [..., out]}: each projection of the group, in x's dtype (lo) or fp32
     (hi). norm = (weight [K], eps): the group reads rms_norm(x, weight, eps), normed in the
     kernel. xa: fp8_sim(x, 128), when x's producer made it (mhc_pre's act_out): the act rows read
@@ -345,13 +345,14 @@ def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None,
     xa, or from UNFUSED_M tokens, the activation kernel runs first). workspace: a SplitKWorkspace,
     or a name for a shared one of its own (a GEMM beside the step's stream: common.get_workspace).
     rows = {name: row ids [n]}: those projections on those rows of their weight only, [..., n]
-    (sequence-parallel prefill's share of the compressors' channels; the per-projection path)."""
+    (sequence-parallel prefill's share of the compressors' channels; the per-projection path).
+    names: only those projections (the per-projection path)."""
     if swiglu is not None:
         assert swiglu[0].shape == x.shape, (tuple(swiglu[0].shape), tuple(x.shape))
         if norm is not None or xa is not None or p.n8 != p.N or p.K % QBLOCK:
             x, swiglu = swiglu_act(x, swiglu[0], swiglu[1], False, x.dtype), None
     if p.K % QBLOCK or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return proj_gemm_ref(x, p, norm, rows=rows)
+        return proj_gemm_ref(x, p, norm, rows=rows, names=names)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, p.K)
     if x2.stride(-1) != 1:
@@ -366,10 +367,10 @@ def proj_gemm(x: torch.Tensor, p: Proj, norm=None, workspace=None, unfused=None,
         if u2.stride(-1) != 1:
             u2 = u2.contiguous()
         xq = None
-    if (M >= UNFUSED_M if unfused is None else unfused) and p.dense is not None or rows:
+    if (M >= UNFUSED_M if unfused is None else unfused) and p.dense is not None or rows or names:
         if swiglu is not None:
             x2 = swiglu_act(x2, u2, swiglu[1], False, x2.dtype)
-        return proj_unfused(x2, p, norm, lead, xa2, rows)
+        return proj_unfused(x2, p, norm, lead, xa2, rows, names)
     lo = torch.empty(M * p.lo_width, dtype=x.dtype, device=x.device)
     hi = torch.empty(M * p.hi_width, dtype=torch.float32, device=x.device)
     if M:
@@ -400,17 +401,18 @@ def _limit(limit: float) -> float:
     return limit if limit > 0 else float("inf")      # SwiGLU's clamp; 0: none (swiglu.py's convention)
 
 
-def proj_unfused(x2: torch.Tensor, p: Proj, norm, lead, xa=None, rows=None) -> dict:
+def proj_unfused(x2: torch.Tensor, p: Proj, norm, lead, xa=None, rows=None, names=None) -> dict:
     """The group as one GEMM per projection, for large M where the GEMMs are compute-bound: x
     rounded to e4m3 once for the act rows, cuBLAS (F.linear) for the x-dtype outputs, the bf16
     GEMM kernel for the fp32 ones. bench/proj.py: 2.4-3x faster than the packed kernel at M = 8192,
     whose small-M tiles and per-block scaling do not reach the tensor cores' rate."""
     if norm is not None:
         x2 = rms_norm(x2, *norm)
-    if xa is None and p.n_act:
+    outs = {k: v for k, v in p.outs.items() if names is None or k in names}
+    if xa is None and any(r < p.n_act for r, *_ in outs.values()):
         xa = fp8_sim(x2, QBLOCK)
     res = {}
-    for name, (r, _, out, lo) in p.outs.items():
+    for name, (r, _, out, lo) in outs.items():
         xi = xa if r < p.n_act else x2
         w = p.dense[name] if not rows or name not in rows else p.dense[name][rows[name]]
         y = F.linear(xi, w) if lo else bf16_gemm(xi, w)
@@ -418,9 +420,9 @@ def proj_unfused(x2: torch.Tensor, p: Proj, norm, lead, xa=None, rows=None) -> d
     return res
 
 
-def proj_gemm_ref(x: torch.Tensor, p: Proj, norm=None, swiglu=None, rows=None, **_) -> dict:
+def proj_gemm_ref(x: torch.Tensor, p: Proj, norm=None, swiglu=None, rows=None, names=None, **_) -> dict:
     """Torch reference: swiglu_act_ref(x, *swiglu) in x's dtype when given, rms_norm(x) when
-    normed, then each projection's math on its dequantised rows (those of `rows`, as proj_gemm),
+    normed, then each projection's math (those of `names`) on its dequantised rows (those of `rows`, as proj_gemm),
     fp32 accumulate (fp64 for an fp64 model); lo outputs cast to x's dtype."""
     if swiglu is not None:
         x = swiglu_act_ref(x, swiglu[0], swiglu[1], False, x.dtype)
@@ -430,6 +432,8 @@ def proj_gemm_ref(x: torch.Tensor, p: Proj, norm=None, swiglu=None, rows=None, *
     xs = {False: up(x).to(wide)}
     res = {}
     for name, (r, _, out, lo) in p.outs.items():
+        if names is not None and name not in names:
+            continue
         if r < p.n8:
             w = fp8_block_dequant(p.w8[r:r + out], p.s8[r // QBLOCK:(r + out + QBLOCK - 1) // QBLOCK]
                                   .view(torch.float8_e8m0fnu))

@@ -417,10 +417,19 @@ def moe(m: MoE, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, ids: torch.T
     shape = x.shape
     x = x.reshape(-1, shape[-1])                                                          # [T,D]
     xa = xa.reshape(x.shape) if xa is not None else None
-    y = ops.proj_gemm(x, proj, xa=xa, xq=xq) if proj is not None else {}   # shared w1, w3 and the router logits: one GEMM
     e, s, shared = m.experts, m.shared_experts, None
     packed = e.packed if ops.uses("fused_moe") else None      # the router sorts the pairs for the kernel only
-    w, idx, aligned = route(m.gate, x, y.get("gate"), ids.reshape(-1), packed, ops)       # [T,k] fp32, ids
+    if sp is not None and proj is not None and "gate" in proj.outs:
+        # split steps: the replicated router for this rank's tokens only, every token's choices gathered
+        rest = [k for k in proj.outs if k != "gate"]
+        y = ops.proj_gemm(x, proj, xa=xa, xq=xq, names=rest) if rest else {}              # shared w1, w3
+        xo = sequence.mine(x, sp)                                                          # [n,D]
+        logits = ops.proj_gemm(xo, proj, names=["gate"])["gate"]
+        w, idx, _ = route(m.gate, xo, logits, sequence.mine(ids.reshape(-1), sp), None, ops)   # [n,k]
+        w, idx, aligned = sequence.gather(w[None], sp)[0], sequence.gather(idx[None], sp)[0], None   # [T,k]
+    else:
+        y = ops.proj_gemm(x, proj, xa=xa, xq=xq) if proj is not None else {}   # shared w1, w3 and the router logits: one GEMM
+        w, idx, aligned = route(m.gate, x, y.get("gate"), ids.reshape(-1), packed, ops)   # [T,k] fp32, ids
     inline = None                # small steps: the fused MoE's down kernel makes the shared expert's output
     if s is not None and packed is not None and s.w2.weight is not None and takes_shared(x.shape[0], s.w2.weight):
         inline = (y["w1"], y["w3"], s.w2.weight, s.limit, num.act_fp8 and s.w2.fp8_gemm)

@@ -11,8 +11,8 @@ cost no more; the MoE's close is cheaper, its fp32 sums scattered and x gathered
 Megatron-LM's sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation in
 Large Transformer Models", 2022), applied to the mHC streams. The head's rows come back by one
 all-reduce of the rows each rank owns (zeros elsewhere: the sum is exact). What every rank
-would compute alike (the replicated lightning indexer's scores and top-k) each rank does for its
-own tokens, and the results are gathered. The compressors' projections (fp32 outputs, ~5 TFLOP at
+would compute alike (the replicated lightning indexer's scores and top-k, the MoE router's logits
+and choices) each rank does for its own tokens, and the results are gathered. The compressors' projections (fp32 outputs, ~5 TFLOP at
 8k over the 43 layers) split by channel instead (ChannelSplit): their pool is per channel, so each
 rank projects every token onto its 1/tp of the channels, pools them, and one all-gather makes the
 entries (and the state's open windows) whole for the finish, which needs every channel.
