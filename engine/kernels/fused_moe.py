@@ -48,8 +48,10 @@ WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
 PAIR_ROWS_IN_MODEL_DTYPE = True
 # Blocks a down-projection program takes in turn where I is at most two k tiles (the TP layout's
 # 256): each expert's weight tiles decoded once for its consecutive blocks, and the loads of one
-# block overlap the last one's math. 1: one block a program (_down_kernel).
+# block overlap the last one's math. 1: one block a program (_down_kernel). Taken from
+# DOWN_BLOCKS_MIN_T tokens (prefill sizes).
 DOWN_BLOCKS = 1
+DOWN_BLOCKS_MIN_T = 1024
 # Tokens up to which the down kernel's last program per 128 hidden rows sums the slots itself (no
 # _sum_kernel launch); past it that one program's serial sum would cost more than the launch.
 SUM_IN_DOWN_MAX_T = 64
@@ -470,7 +472,7 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     fuse = T <= SUM_IN_DOWN_MAX_T
     tickets = scratch("fused_moe.sum_tickets", x.device, D // 128, torch.int32, zero=True) if fuse else cnt
     shx = int(shared_expert is not None)
-    G = down_blocks or DOWN_BLOCKS
+    G = down_blocks or (DOWN_BLOCKS if T >= DOWN_BLOCKS_MIN_T else 1)
     if G > 1 and I // 128 <= 2 and not fuse and not shx:
         _down_multi_kernel[(triton.cdiv(nblk, G), D // 128)](h, packed.w2, packed.s2, packed.alpha, sorted_ids, bexp, y,
                                                              n, D, I, nblk, G=G, KT=I // 128, BM=bm, MX=mx, ASM=asm,
