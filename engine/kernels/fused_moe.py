@@ -476,7 +476,8 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     if G > 1 and I // 128 <= 2 and not fuse and not shx:
         _down_multi_kernel[(triton.cdiv(nblk, G), D // 128)](h, packed.w2, packed.s2, packed.alpha, sorted_ids, bexp, y,
                                                              n, D, I, nblk, G=G, KT=I // 128, BM=bm, MX=mx, ASM=asm,
-                                                             F32=f32, num_warps=warps, num_stages=3, **pdl_args())
+                                                             F32=f32, num_warps=num_warps or 8, num_stages=3,
+                                                             **pdl_args())   # 8: the two decoded tiles stay in registers
     else:
         _down_kernel[(nblk + shx, D // 128)](h, packed.w2, packed.s2, packed.alpha, sorted_ids, bexp, y, n, D, I,
                                              ids, sh, out, tickets, T, E, sh.stride(0),
