@@ -48,9 +48,9 @@ WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
 PAIR_ROWS_IN_MODEL_DTYPE = True
 # Blocks a down-projection program takes in turn where I is at most two k tiles (the TP layout's
 # 256): each expert's weight tiles decoded once for its consecutive blocks, and the loads of one
-# block overlap the last one's math. 1: one block a program (_down_kernel). Taken from
-# DOWN_BLOCKS_MIN_T tokens (prefill sizes).
-DOWN_BLOCKS = 1
+# block overlap the last one's math. 1: one block a program (_down_kernel; bench/levers.py
+# down_blocks). Taken from DOWN_BLOCKS_MIN_T tokens (prefill sizes).
+DOWN_BLOCKS = 4
 DOWN_BLOCKS_MIN_T = 1024
 # Tokens up to which the down kernel's last program per 128 hidden rows sums the slots itself (no
 # _sum_kernel launch); past it that one program's serial sum would cost more than the launch.
