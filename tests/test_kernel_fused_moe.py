@@ -310,23 +310,8 @@ def interp_sum_in_down():
         sum_both_ways(p, T, k, dt, seed=T)
 
 
-def down_blocks_agree(p, w, T, k, G, dt=torch.bfloat16, kind="random", device="cpu", seed=0):
-    """The down projection G blocks a program (_down_multi_kernel) == one a program: the same bits
-    (the same tiles, dots and rounding), and within tolerance of the reference."""
-    got = check(p, w, T, k, dt, kind=kind, device=device, seed=seed, down_blocks=G)
-    assert torch.equal(got, check(p, w, T, k, dt, kind=kind, device=device, seed=seed, down_blocks=1)), (T, k, G)
-
-
-def interp_down_blocks():
-    p, w = _small("mxfp4")                                           # I = 128: one k tile
-    down_blocks_agree(p, w, 100, 2, 3, kind="invalid", seed=1)
-    p, w = experts("nvfp4", E=8, D=256, I=256)                       # two k tiles, as the TP layout
-    for T, G, dt in ((70, 2, torch.bfloat16), (130, 4, torch.float32)):
-        down_blocks_agree(p, w, T, 2, G, dt, kind="skew", seed=T)
-
-
 CHECKS = ["interp_align", "interp_mxfp4", "interp_nvfp4", "interp_uneven", "interp_split", "interp_shared",
-          "interp_sum_in_down", "interp_shared_in_down", "interp_down_blocks"]
+          "interp_sum_in_down", "interp_shared_in_down"]
 
 
 @pytest.fixture(scope="module")
@@ -363,16 +348,6 @@ def gpu_experts(fmt, layout):
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_gpu_real_shapes(fmt, layout, T):
     check(*gpu_experts(fmt, layout), T, 6, device="cuda", seed=T)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
-def test_gpu_down_blocks(fmt):
-    """The down projection over several blocks a program at prefill sizes (TP layout): the same bits."""
-    p, w = gpu_experts(fmt, "tp")
-    for T, G in ((512, 2), (2048, 4), (1000, 3)):
-        down_blocks_agree(p, w, T, 6, G, device="cuda", seed=T)
 
 
 @pytest.mark.gpu

@@ -40,18 +40,10 @@ from .common import gdc_enter, pdl_args, interpreting, num_sms, round_to, scratc
 from .moe_pack import PackedExperts, dequant_experts, pack_experts  # noqa: F401 (their home is moe_pack)
 
 BM_CHOICES = (16, 32, 64)    # routed rows per block (the wgmma N); 16 is the instruction minimum
-# warps of the expert GEMMs' programs by their BLOCK_M (a [128, BM] fp32 accumulator each)
-WARPS = {16: 4, 32: 4, 64: 4, 128: 8}
 # Each pair's down-projection row is stored in the model dtype, rounded where the reference's
 # F.linear rounds it: half the bytes an fp32 row costs the down kernel's stores and the sum's
 # loads (an 8k prefill writes and reads 0.8 GB a layer of them in fp32). False: fp32 rows (the lever).
 PAIR_ROWS_IN_MODEL_DTYPE = True
-# Blocks a down-projection program takes in turn where I is at most two k tiles (the TP layout's
-# 256): each expert's weight tiles decoded once for its consecutive blocks, and the loads of one
-# block overlap the last one's math. 1: one block a program (_down_kernel; bench/levers.py
-# down_blocks). Taken from DOWN_BLOCKS_MIN_T tokens (prefill sizes).
-DOWN_BLOCKS = 4
-DOWN_BLOCKS_MIN_T = 1024
 # Tokens up to which the down kernel's last program per 128 hidden rows sums the slots itself (no
 # _sum_kernel launch); past it that one program's serial sum would cost more than the launch.
 SUM_IN_DOWN_MAX_T = 64
@@ -268,56 +260,6 @@ def _routed_down(h_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, y_ptr, N,
 
 
 @triton.jit
-def _down_multi_kernel(h_ptr, w_ptr, s_ptr, alpha_ptr, sorted_ptr, bexp_ptr, y_ptr, N, D, I, nblk,
-                       G: tl.constexpr, KT: tl.constexpr, BM: tl.constexpr, MX: tl.constexpr,
-                       ASM: tl.constexpr, F32: tl.constexpr, USE_GDC: tl.constexpr = False):
-    """_routed_down for blocks G p .. G p + G - 1 (KT = I / 128 <= 2): the blocks are sorted by
-    expert, so an expert's weight tiles, decoded for its first block here, serve its next ones."""
-    gdc_enter(USE_GDC)
-    p, j = tl.program_id(0), tl.program_id(1)
-    NB: tl.constexpr = 4 if MX else 8
-    woff = (((tl.arange(0, 2)[:, None, None, None] * 2 + tl.arange(0, 2)[None, :, None, None]) * 128
-             + tl.arange(0, 128)[None, None, :, None]) * 4 + tl.arange(0, 4)[None, None, None, :])
-    soff = tl.arange(0, 32)[:, None] * (4 * NB) + tl.arange(0, 4 * NB)[None, :]
-    rk = tl.arange(0, 128)
-    n = j * 128 + tl.arange(0, 128)
-    WT: tl.constexpr = tl.float32 if F32 else tl.bfloat16
-    w0 = tl.zeros([128, 128], WT)
-    w1 = tl.zeros([128, 128], WT)
-    prev = -1
-    ty = y_ptr.dtype.element_ty      # the model dtype: F.linear's output rounding in the reference
-    for g in range(G):
-        b = p * G + g
-        e = tl.load(bexp_ptr + b, mask=b < nblk, other=-1)
-        if e >= 0:
-            if e != prev:
-                tile = (e * (D // 128) + j).to(tl.int64) * KT
-                w0 = _weight_tile(tl.load(w_ptr + tile * 2048 + woff), tl.load(s_ptr + tile * 128 * NB + soff),
-                                  MX, ASM, F32)
-                if KT > 1:
-                    w1 = _weight_tile(tl.load(w_ptr + (tile + 1) * 2048 + woff),
-                                      tl.load(s_ptr + (tile + 1) * 128 * NB + soff), MX, ASM, F32)
-                prev = e
-            rows = b * BM + tl.arange(0, BM)
-            pair = tl.load(sorted_ptr + rows)
-            ok = pair < N
-            at = h_ptr + rows.to(tl.int64)[:, None] * I + rk[None, :]
-            acc = _dot_rows(w0, tl.load(at, mask=ok[:, None], other=0.0), tl.zeros([128, BM], tl.float32), F32)
-            if KT > 1:
-                acc = _dot_rows(w1, tl.load(at + 128, mask=ok[:, None], other=0.0), acc, F32)
-            y = acc * tl.load(alpha_ptr + e * 3 + 2)
-            tl.store(y_ptr + pair.to(tl.int64)[None, :] * D + n[:, None], round_to(y, ty).to(ty), mask=ok[None, :])
-
-
-@triton.jit
-def _dot_rows(w, xb, acc, F32: tl.constexpr):
-    """acc + W [128, 128] @ xb [BM, 128]^T, as _mainloop's step."""
-    if F32:
-        return tl.dot(w, tl.trans(xb.to(tl.float32)), acc, input_precision="ieee")
-    return tl.dot(w, tl.trans(xb), acc)
-
-
-@triton.jit
 def _shared_down(g_ptr, u_ptr, w_ptr, sh_ptr, T, IS, stride_g, stride_u, stride_sh, limit, j,
                  FP8: tl.constexpr, BTS: tl.constexpr, F32: tl.constexpr):
     """sh[t, 128 j:+128] = w2[128 j:+128] @ act(t) for every token, BTS at a time (the routed
@@ -419,8 +361,7 @@ def _shared_args(shared_expert, T: int, D: int, dtype):
 
 def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: float = 0.0,
               block_m: int | None = None, split_k: int | None = None, use_asm: bool = True, shared=None,
-              aligned=None, after=None, shared_expert=None, num_warps: int | None = None,
-              down_blocks: int | None = None):
+              aligned=None, after=None, shared_expert=None):
     """x [T,D] bf16 (or fp32), topk_weights [T,k] fp32, topk_ids [T,k] int (ids outside [0,E)
     contribute nothing) -> sum_k w * expert(x) [T,D] fp32, plus `shared` [T,D] (the shared
     expert's output, any float dtype) when given. block_m/split_k override moe_config. aligned:
@@ -428,8 +369,7 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     router made them (router.route's `packed`), else sorted here. after: the stream `shared` is
     made on (beside the routed experts): the sum waits for it. shared_expert: instead of
     `shared`, (g, u [T,IS], w2 [D,IS] in x's dtype, limit, fp8) of the shared expert for the down
-    kernel to finish (T <= 64): + w2 @ swiglu_act(g, u, limit, fp8) in x's dtype. num_warps:
-    the expert GEMMs' (default WARPS by the block's rows). down_blocks: DOWN_BLOCKS's override."""
+    kernel to finish (T <= 64): + w2 @ swiglu_act(g, u, limit, fp8) in x's dtype."""
     T, D = x.shape
     k, E, I = topk_ids.shape[1], packed.E, packed.I
     if D != packed.D or x.dtype not in (torch.bfloat16, torch.float32):
@@ -437,7 +377,6 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     emu = interpreting()                              # CPU tests: plain ops, fp32 math
     bm, split = moe_config(T, k, E, I, D, num_sms(x.device, cpu=4))  # CPU: 4, so small tests split
     bm, split = block_m or bm, split_k or split
-    warps = num_warps or WARPS.get(bm, 4)
     kt_per = math.ceil((D // 128) / split)
     split = math.ceil((D // 128) / kt_per)
     mx, asm, f32 = packed.fmt == "mxfp4", use_asm and not emu, emu or x.dtype == torch.float32
@@ -453,7 +392,7 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     _gate_up_kernel[(nblk, I // 64, split)](
         x, packed.w13, packed.s13, packed.alpha, sorted_ids, bexp, tw, h, ws, cnt,
         n, D, I, x.stride(0), limit, kt_per, TOPK=k, BM=bm, SPLIT=split, MX=mx, ASM=asm, F32=f32,
-        num_warps=warps, num_stages=3, **pdl_args())
+        num_warps=4, num_stages=3, **pdl_args())
     y = torch.empty(n, D, dtype=x.dtype if PAIR_ROWS_IN_MODEL_DTYPE else torch.float32, device=x.device)
     out = torch.empty(T, D, dtype=torch.float32, device=x.device)
     if after is not None:
@@ -472,19 +411,12 @@ def fused_moe(x, topk_weights, topk_ids, packed: PackedExperts, swiglu_limit: fl
     fuse = T <= SUM_IN_DOWN_MAX_T
     tickets = scratch("fused_moe.sum_tickets", x.device, D // 128, torch.int32, zero=True) if fuse else cnt
     shx = int(shared_expert is not None)
-    G = down_blocks or (DOWN_BLOCKS if T >= DOWN_BLOCKS_MIN_T else 1)
-    if G > 1 and I // 128 <= 2 and not fuse and not shx:
-        _down_multi_kernel[(triton.cdiv(nblk, G), D // 128)](h, packed.w2, packed.s2, packed.alpha, sorted_ids, bexp, y,
-                                                             n, D, I, nblk, G=G, KT=I // 128, BM=bm, MX=mx, ASM=asm,
-                                                             F32=f32, num_warps=num_warps or 8, num_stages=3,
-                                                             **pdl_args())   # 8: the two decoded tiles stay in registers
-    else:
-        _down_kernel[(nblk + shx, D // 128)](h, packed.w2, packed.s2, packed.alpha, sorted_ids, bexp, y, n, D, I,
-                                             ids, sh, out, tickets, T, E, sh.stride(0),
-                                             g, u, w2s, IS, g.stride(0), u.stride(0), slimit,
-                                             BM=bm, MX=mx, ASM=asm, F32=f32, SUM=fuse, TOPK=k, BT=4,
-                                             SHARED=has_shared, SHX=shx, SH_FP8=sfp8,
-                                             num_warps=warps, num_stages=3, **pdl_args())
+    _down_kernel[(nblk + shx, D // 128)](h, packed.w2, packed.s2, packed.alpha, sorted_ids, bexp, y, n, D, I,
+                                         ids, sh, out, tickets, T, E, sh.stride(0),
+                                         g, u, w2s, IS, g.stride(0), u.stride(0), slimit,
+                                         BM=bm, MX=mx, ASM=asm, F32=f32, SUM=fuse, TOPK=k, BT=4,
+                                         SHARED=has_shared, SHX=shx, SH_FP8=sfp8,
+                                         num_warps=4, num_stages=3, **pdl_args())
     if not fuse:
         _sum_kernel[(triton.cdiv(T, 4), triton.cdiv(D, 512))](y, ids, sh, out, T, D, E, sh.stride(0),
                                                               TOPK=k, BT=4, BD=512, SHARED=has_shared,
