@@ -12,10 +12,11 @@ Megatron-LM's sequence parallelism (Korthikanti et al., "Reducing Activation Rec
 Large Transformer Models", 2022), applied to the mHC streams. The head's rows come back by one
 all-reduce of the rows each rank owns (zeros elsewhere: the sum is exact). What every rank
 would compute alike (the replicated lightning indexer's scores and top-k, the MoE router's logits
-and choices) each rank does for its own tokens, and the results are gathered. The compressors' projections (fp32 outputs, ~5 TFLOP at
-8k over the 43 layers) split by channel instead (ChannelSplit): their pool is per channel, so each
-rank projects every token onto its 1/tp of the channels, pools them, and one all-gather makes the
-entries (and the state's open windows) whole for the finish, which needs every channel.
+and choices) each rank does for its own tokens, and the results are gathered. The compressors'
+projections (fp32 outputs, ~5 TFLOP at 8k over the 43 layers) split by channel instead
+(ChannelSplit): their pool is per channel, so each rank projects every token onto its 1/tp of the
+channels, pools them, and one all-gather makes the entries (and the state's open windows) whole
+for the finish, which needs every channel.
 
 Decode steps never split (their collectives cost their latency, not their bytes). Exact: every
 token's arithmetic is the one it has without the split, on whichever rank keeps it.
@@ -29,7 +30,7 @@ from .comm import all_gather, all_gather_last, all_reduce, reduce_scatter
 from .state import tp_rank, tp_size
 
 SP_MIN_T = 1024     # a step's tokens from which its streams split over the ranks (bench/levers.py: seq_parallel)
-CHANNEL_SPLIT = True    # split steps: the compressors' projections by channel (False: every rank all of them; channel_split)
+CHANNEL_SPLIT = True    # split steps: the compressors' projections by channel (False: all of them on every rank)
 
 
 @dataclass(frozen=True)
