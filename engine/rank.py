@@ -88,8 +88,7 @@ def serve_steps(model, cache, device, graphs=None):
 def worker_main(rank: int, size: int, init_method: str, spec: dict):
     """Entry point of a spawned rank."""
     logging.basicConfig(level=logging.WARNING)
-    # every rank must split the same steps, and the same way, as rank 0
-    sequence.SP_MIN_T, sequence.CHANNEL_SPLIT = spec["sp_min_t"], spec["channel_split"]
+    sequence.apply(spec["sequence"])    # every rank must split the same steps, and the same way, as rank 0
     device = rank_device(torch.device(spec["device"]), rank)
     try:
         state.init(rank, size, init_method, device, spec["timeout"])
@@ -107,8 +106,7 @@ class Workers:
 
     def __init__(self, size: int, spec: dict):
         self.size, self.init_method = size, f"tcp://127.0.0.1:{free_port()}"
-        # rank 0's, should a caller have changed them
-        spec = {**spec, "sp_min_t": sequence.SP_MIN_T, "channel_split": sequence.CHANNEL_SPLIT}
+        spec = {**spec, "sequence": sequence.settings()}
         ctx = mp.get_context("spawn")
         self.procs = [ctx.Process(target=worker_main, args=(r, size, self.init_method, spec), daemon=True)
                       for r in range(1, size)]

@@ -34,6 +34,18 @@ SP_MIN_T = 1024     # a step's tokens from which its streams split over the rank
 CHANNEL_SPLIT = False   # split steps: the compressors' projections by channel (False: all of them on every rank).
                         # Off: through the kernels on the GPU a forced split's logits differ from the unsplit
                         # step's (cause unproven; exact on CPU): bench/RESULTS.md, 2026-12-07
+SHARED = ("SP_MIN_T", "CHANNEL_SPLIT")    # what every rank must agree on to split a step alike
+
+
+def settings() -> dict:
+    """This process's split settings, for spawned ranks to apply(): a caller (a test, a bench
+    lever) may have changed them after import."""
+    return {name: globals()[name] for name in SHARED}
+
+
+def apply(shared: dict):
+    """Take rank 0's settings() in a spawned rank."""
+    globals().update({name: shared[name] for name in SHARED})
 
 
 @dataclass(frozen=True)
