@@ -30,8 +30,7 @@ from .comm import all_gather, all_gather_last, all_reduce, reduce_scatter
 from .state import tp_rank, tp_size
 
 SP_MIN_T = 1024     # a step's tokens from which its streams split over the ranks (bench/levers.py: seq_parallel)
-CHANNEL_SPLIT = False   # split steps: the compressors' projections by channel (False: all of them on every rank).
-                        # Off: wrong through the kernels on the GPU (bench/RESULTS.md, 2026-12-07), exact on CPU
+CHANNEL_SPLIT = True    # split steps: the compressors' projections by channel (False: all of them on every rank)
 
 
 @dataclass(frozen=True)
