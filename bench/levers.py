@@ -14,6 +14,7 @@ LEVERS = {
     "step_tables": ("engine.kernels.step_tables", "STEP_TABLES", False),     # the tables by torch ops
     "embed_kernel": ("engine.kernels.embed", "EMBED_KERNEL", False),         # the lookup and the copy by torch ops
     "seq_parallel": ("engine.parallel.sequence", "SP_MIN_T", 1 << 30),       # prefill's streams on every rank
+    "channel_split": ("engine.parallel.sequence", "CHANNEL_SPLIT", False),  # split steps: every compressor on every rank
     "nccl_beta": ("engine.parallel.latency", "BETA_GBS", 150.0),           # the simulated collectives' old bus GB/s
     # off by default, so their --ab turns them on: the shared expert in the down kernel up to 64
     # tokens (not beside it), the w2 group on its SwiGLU up to 16 (not the swiglu kernel + cuBLAS),

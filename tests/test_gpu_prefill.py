@@ -47,20 +47,18 @@ def test_batched_prefill_kernels_match_torch(tiny_ckpt, numerics):
     assert r["mismatch"] is None and r["max_rel_err"] <= r["tol"], r
 
 
-def test_sequence_parallel_path_through_the_kernels(tiny_ckpt, monkeypatch):
-    """The sequence-parallel prefill step (parallel/sequence.py) forced at tp = 1 (a split of one
-    rank) through the kernels gives the unsplit step's logits: the gathered x rounded to FP8 by
-    ops.fp8_sim where mhc_pre would have, the indexer's rows sliced and gathered back. Exact up to
-    the run-to-run spread of the unsplit step itself (measured here: two unsplit runs)."""
+def forced_split_err(tiny_ckpt, monkeypatch, lens, max_model_len, channel_split):
+    """-> (max |logit diff| of the sequence-parallel step forced at tp = 1 against the unsplit
+    step, the unsplit step's own run-to-run spread), greedy prefill + 3 tokens of prompts `lens`."""
     from engine import SamplingParams
     from engine.parallel import sequence
 
     g = torch.Generator().manual_seed(8)
-    prompts = [torch.randint(2, 129280, (m,), generator=g).tolist() for m in (600, 257, 131, 5)]
+    prompts = [torch.randint(2, 129280, (m,), generator=g).tolist() for m in lens]
 
     def run():
         llm = LLM(tiny_ckpt("flash", 0), device="cuda", dtype=torch.bfloat16, numerics="reference",
-                  enforce_eager=True, max_model_len=1024, max_num_seqs=8, skip_tokenizer_init=True,
+                  enforce_eager=True, max_model_len=max_model_len, max_num_seqs=8, skip_tokenizer_init=True,
                   kv_cache_memory=GPU_CACHE)
         seen = []
         llm.engine.runner.logits_hook = lambda seqs, logits: seen.append(logits.float().cpu())
@@ -73,11 +71,38 @@ def test_sequence_parallel_path_through_the_kernels(tiny_ckpt, monkeypatch):
     want, again = run(), run()
     floor = max((a - b).abs().max().item() for a, b in zip(want, again))
     monkeypatch.setattr(sequence, "split", lambda T: sequence.SeqSplit(T, 1, 0))
+    monkeypatch.setattr(sequence, "CHANNEL_SPLIT", channel_split)
     gathers = []
     gather = sequence.gather
     monkeypatch.setattr(sequence, "gather", lambda *a: gathers.append(1) or gather(*a))
+    channels = []
+    if channel_split:
+        cg = sequence.ChannelSplit.gather
+        monkeypatch.setattr(sequence.ChannelSplit, "gather", lambda *a: channels.append(1) or cg(*a))
     got = run()
-    assert gathers and len(got) == len(want)
+    assert gathers and len(got) == len(want) and bool(channels) == channel_split
     err = max((a - b).abs().max().item() for a, b in zip(got, want))
     print({"err": err, "floor": floor})
+    return err, floor
+
+
+def test_sequence_parallel_path_through_the_kernels(tiny_ckpt, monkeypatch):
+    """The sequence-parallel prefill step (parallel/sequence.py) forced at tp = 1 (a split of one
+    rank) on steps of every size through the kernels gives the unsplit step's logits: the gathered
+    x rounded to FP8 by ops.fp8_sim where mhc_pre would have, the indexer's rows sliced and gathered
+    back. Exact up to the run-to-run spread of the unsplit step itself (measured here: two unsplit
+    runs). The compressors' channel split off: see the next test."""
+    err, floor = forced_split_err(tiny_ckpt, monkeypatch, (600, 257, 131, 5), 1024, False)
+    assert err <= 2 * floor, (err, floor)
+
+
+def test_channel_split_through_the_kernels(tiny_ckpt, monkeypatch):
+    """The same with the compressors' projections split by channel (sequence.ChannelSplit), on
+    steps the engine splits (>= proj_gemm.UNFUSED_M tokens): there the unsplit step takes the
+    per-projection GEMMs too, as proj_gemm's rows do. (At fewer tokens the unsplit step takes the
+    packed kernel, whose sums come in another order: on the H100, 2026-12-07, that gave logits up
+    to 16 away in reference numerics, where FP8 / FP4 roundings amplify a last-bit difference.)"""
+    from engine.kernels import proj_gemm
+    assert 1100 + 257 >= proj_gemm.UNFUSED_M
+    err, floor = forced_split_err(tiny_ckpt, monkeypatch, (1100, 257), 2048, True)
     assert err <= 2 * floor, (err, floor)

@@ -76,7 +76,7 @@ def test_sequence_parallel_prefill_reproduces_tp1(tiny_ckpt, monkeypatch, preset
               SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
     want_tokens, want, want_outs = _run(path, 1, prompts, params, outputs=True)
     monkeypatch.setattr(sequence, "SP_MIN_T", 8)
-    monkeypatch.setattr(sequence, "CHANNEL_SPLIT", True)     # off by default (bench/RESULTS.md), kept tested
+    monkeypatch.setattr(sequence, "CHANNEL_SPLIT", True)     # whatever the default (bench/levers.py: channel_split)
     splits = _counting(monkeypatch, sequence, "scatter")
     channel_gathers = _counting(monkeypatch, sequence.ChannelSplit, "gather")
     got_tokens, got, got_outs = _run(path, tp, prompts, params, outputs=True)
@@ -115,7 +115,7 @@ def test_sequence_parallel_path_at_tp1_is_exact(tiny_ckpt, monkeypatch, numerics
 
     want_tokens, want = run()
     monkeypatch.setattr(sequence, "split", lambda T: sequence.SeqSplit(T, 1, 0))
-    monkeypatch.setattr(sequence, "CHANNEL_SPLIT", True)      # the lever's path too (off by default)
+    monkeypatch.setattr(sequence, "CHANNEL_SPLIT", True)      # the lever's path, whatever the default
     splits = _counting(monkeypatch, sequence, "gather")
     got_tokens, got = run()
     assert splits and got_tokens == want_tokens and len(got) == len(want)

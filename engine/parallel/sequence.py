@@ -16,8 +16,8 @@ and choices) each rank does for its own tokens, and the results are gathered. Th
 projections (fp32 outputs, ~5 TFLOP at 8k over the 43 layers) split by channel instead
 (ChannelSplit): their pool is per channel, so each rank projects every token onto its 1/tp of the
 channels, pools them, and one all-gather makes the entries (and the state's open windows) whole
-for the finish, which needs every channel. That split is off by default (CHANNEL_SPLIT): on the
-GPU a test of it differs from the unsplit step, for a reason not yet found.
+for the finish, which needs every channel (CHANNEL_SPLIT; exact on the GPU on steps of
+SP_MIN_T tokens on, where the unsplit step runs the same per-projection GEMMs: tests/test_gpu_prefill.py).
 
 Decode steps never split (their collectives cost their latency, not their bytes). Exact: every
 token's arithmetic is the one it has without the split, on whichever rank keeps it.
@@ -31,9 +31,8 @@ from .comm import all_gather, all_gather_last, all_reduce, reduce_scatter
 from .state import tp_rank, tp_size
 
 SP_MIN_T = 1024     # a step's tokens from which its streams split over the ranks (bench/levers.py: seq_parallel)
-CHANNEL_SPLIT = False   # split steps: the compressors' projections by channel (False: all of them on every rank).
-                        # Off: through the kernels on the GPU a forced split's logits differ from the unsplit
-                        # step's (cause unproven; exact on CPU): bench/RESULTS.md, 2026-12-07
+CHANNEL_SPLIT = True    # split steps: the compressors' projections by channel (False: all of them on every rank);
+                        # exact on the GPU at the sizes that split (tests/test_gpu_prefill.py, bench/RESULTS.md)
 SHARED = ("SP_MIN_T", "CHANNEL_SPLIT")    # what every rank must agree on to split a step alike
 
 
