@@ -106,6 +106,14 @@ class StepInputs:
         return self._host(("ring tokens", W), lambda: [o + i for o, n in zip(self.offsets, self.row_lens)
                                                         for i in range(max(0, n - W), n)])
 
+    def ring_writes(self, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (ring_tokens(W) [K], their flat rows slot * W + position % W of a [slots*W, d] ring),
+        once per step: every sliding layer writes its ring alike."""
+        def make():
+            t = self.ring_tokens(W)
+            return t, self.token_slots()[t] * W + self.positions[0, t] % W
+        return self.once(("ring writes", W), make)
+
     def single_rows(self) -> list[int]:
         """Rows of one token (decode rows of a mixed step, a prompt's one-token tail): the
         compressor feeds them all at once with its decode op."""

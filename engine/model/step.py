@@ -269,8 +269,8 @@ def attention(a: Attention, x: torch.Tensor, xa: torch.Tensor | None, xq, proj, 
     o = ops.sparse_attn(q.flatten(0, 1), kv_a, idx_a, kv_b, idx_b, a.attn_sink, a.scale,
                         rope=(cos.flatten(0, 1), sin.flatten(0, 1)))                           # [B*S,H,Dh]
     if not inp.decode:   # each chunk's last W keys go into its ring once every query has read it
-        t = inp.ring_tokens(W)                                                              # [K]
-        cache.window[inp.token_slots()[t], inp.positions[0, t] % W] = kv[0, t].to(cache.window.dtype)
+        t, rows = inp.ring_writes(W)                                                        # [K], [K]
+        cache.window.view(-1, kv.shape[-1]).index_copy_(0, rows, kv[0, t].to(cache.window.dtype))
     return output(a, o.view(B, S, a.n_heads, a.head_dim), proj, ops, num, sp)
 
 

@@ -22,6 +22,7 @@ SP_MIN_T tokens on, where the unsplit step runs the same per-projection GEMMs: t
 Decode steps never split (their collectives cost their latency, not their bytes). Exact: every
 token's arithmetic is the one it has without the split, on whichever rank keeps it.
 """
+import functools
 import math
 from dataclasses import dataclass
 
@@ -113,10 +114,9 @@ class ChannelSplit:
     rank: int
 
     def channels(self, device=None) -> torch.Tensor:
-        """-> [coff*d/size] columns of the projections: this rank's channels of each half, A's first."""
-        k = self.d // self.size
-        j = torch.arange(self.rank * k, (self.rank + 1) * k, device=device)
-        return torch.cat([j + h * self.d for h in range(self.coff)])
+        """-> [coff*d/size] columns of the projections: this rank's channels of each half, A's first
+        (made once per split and device: every layer's compressors of a step ask for them)."""
+        return _channels(self, torch.device(device or "cpu"))
 
     def gather(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Tensors [..., m*d/size], m pieces of this rank's channels each (an entry: 1; a state row:
@@ -125,6 +125,13 @@ class ChannelSplit:
         flat = torch.cat([x.reshape(-1, k) for x in xs])                # [rows, k]: each piece a row
         whole = all_gather_last(flat).split([x.numel() // k for x in xs])   # [rows_i, d]
         return [w.reshape(*x.shape[:-1], x.shape[-1] // k * self.d) for x, w in zip(xs, whole)]
+
+
+@functools.lru_cache(maxsize=64)
+def _channels(part: ChannelSplit, device: torch.device) -> torch.Tensor:
+    k = part.d // part.size
+    j = torch.arange(part.rank * k, (part.rank + 1) * k, device=device)
+    return torch.cat([j + h * part.d for h in range(part.coff)])
 
 
 def channel_split(sp: SeqSplit | None, d: int, coff: int) -> ChannelSplit | None:
