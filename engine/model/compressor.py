@@ -72,11 +72,12 @@ class Compressor(nn.Module):
             score = torch.cat((a[1], score[..., d:]), dim=-2)
         return (kv * score.softmax(dim=-2)).sum(dim=-2)
 
-    def finish(self, c: torch.Tensor, entry: torch.Tensor, inv_freq: torch.Tensor, dtype, sim: str | None) -> torch.Tensor:
+    def finish(self, c: torch.Tensor, entry: torch.Tensor, inv_freq: torch.Tensor, dtype, sim: str | None,
+               rope=None) -> torch.Tensor:
         """Pooled entries [B,n,d] at entry indices [n] or [B,n] -> normed, roped cache entries,
-        rounded as `sim` says (sim_of)."""
+        rounded as `sim` says (sim_of). rope: their (cos, sin), if made already."""
         c = self.norm(c.to(dtype))
-        cos, sin = cos_sin(entry * self.ratio, inv_freq)
+        cos, sin = rope if rope is not None else cos_sin(entry * self.ratio, inv_freq)
         c = apply_rope(c, cos, sin)
         if sim == "fp4":
             c = fp4_sim(hadamard(c), 32)
@@ -129,7 +130,9 @@ class Compressor(nn.Module):
         if part is not None:
             made = part.gather(made)                                    # every channel: [..., C]
         if E:
-            c = self.finish(made[0][None], p["entry"], inv_freq, dtype, sim)[0]                  # [E,d]
+            # the entries' RoPE once per step and ratio: the compressors of one ratio share it
+            rope = inp.once(("compress rope", r, tuple(rows)), lambda: cos_sin(p["entry"] * r, inv_freq))
+            c = self.finish(made[0][None], p["entry"], inv_freq, dtype, sim, rope)[0]           # [E,d]
             store[p["loc"]] = c.to(store.dtype)
             if self.overlap:
                 kv_state[p["emit_slot"], :r], score_state[p["emit_slot"], :r] = made[1], made[2]
