@@ -6,6 +6,8 @@ or, past ALIGN_MAX pairs, moe_align_ref (torch, fixed shapes, no host sync). ali
 sort as a jit function, which the router's last program also runs (router.py) so that decode
 steps need no launch for it. Sizes come from align_bounds, so every grid is fixed per (T, k, E).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -62,23 +64,31 @@ def align_bounds(n_pairs: int, E: int, bm: int) -> tuple[int, int]:
 
 
 def moe_align_ref(topk_ids: torch.Tensor, E: int, bm: int):
-    """Torch version of _align_kernel (fixed shapes, no host sync): (sorted [P] int32, bexp [B] int32)."""
+    """Torch version of _align_kernel (fixed shapes, no host sync): (sorted [P] int32, bexp [B] int32).
+    Few launches (prefill steps of more than ALIGN_MAX pairs run it in every layer): a stable sort
+    by expert, the groups' bounds by searchsorted, one scatter of the pairs, each block's expert
+    by searchsorted."""
     flat = topk_ids.reshape(-1).long()
     N, dev = flat.numel(), flat.device
     P, B = align_bounds(N, E, bm)
-    e = torch.where((flat >= 0) & (flat < E), flat, E)
-    order = torch.sort(e * N + torch.arange(N, device=dev)).indices
-    se = e[order]
-    cnt = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, e, torch.ones_like(e))  # bincount syncs
-    padded = torch.where(torch.arange(E + 1, device=dev) < E, (cnt + bm - 1) // bm * bm, 0)
-    rank = torch.arange(N, device=dev) - (torch.cumsum(cnt, 0) - cnt)[se]
-    dest = torch.where(se < E, (torch.cumsum(padded, 0) - padded)[se] + rank, P)
+    e = torch.where((flat >= 0) & (flat < E), flat, E)             # invalid ids: bucket E, dropped
+    se, order = torch.sort(e, stable=True)                          # by expert, then pair
+    starts = torch.searchsorted(se, _arange(E + 2, dev))            # [E+2]: each bucket's first sorted pair
+    cnt = starts.diff()                                             # [E+1]
+    padded = (cnt + bm - 1) // bm * bm
+    ends = padded.cumsum(0)                                         # [E+1]: each group's end among the rows
+    rank = _arange(N, dev) - starts[se]                # position inside the expert's group
+    dest = torch.where(se < E, (ends - padded)[se] + rank, P)
     sorted_ids = torch.full((P + 1,), N, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    bexp = torch.full((B + 1,), -1, dtype=torch.int32, device=dev)
-    first = (se < E) & (rank % bm == 0)
-    bexp.scatter_(0, torch.where(first, dest // bm, B), se.to(torch.int32))
-    return sorted_ids[:P], bexp[:B]
+    v = torch.searchsorted(ends[:E], _arange(B, dev) * bm, right=True)      # [B]: the group a block starts in
+    bexp = torch.where(v < E, v, -1).to(torch.int32)
+    return sorted_ids[:P], bexp
+
+
+@functools.lru_cache(maxsize=16)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=device)
 
 
 def moe_align(topk_ids: torch.Tensor, E: int, bm: int):
