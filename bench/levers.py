@@ -13,6 +13,8 @@ LEVERS = {
     "kv_prep": ("engine.kernels.kv_prep", "KV_PREP", False),                 # rope_qkv, compressors, rope_q apart
     "step_tables": ("engine.kernels.step_tables", "STEP_TABLES", False),     # the tables by torch ops
     "embed_kernel": ("engine.kernels.embed", "EMBED_KERNEL", False),         # the lookup and the copy by torch ops
+    "finish_kernel": ("engine.kernels.compressor", "FINISH_KERNEL", False),  # prefill's entries finished by torch ops
+    "pool_kernel": ("engine.kernels.compressor", "POOL_KERNEL", False),      # prefill's windows pooled by torch ops
     "seq_parallel": ("engine.parallel.sequence", "SP_MIN_T", 1 << 30),       # prefill's streams on every rank
     "channel_split": ("engine.parallel.sequence", "CHANNEL_SPLIT", False),  # split steps: every compressor on every rank
     "nccl_beta": ("engine.parallel.latency", "BETA_GBS", 150.0),           # the simulated collectives' old bus GB/s

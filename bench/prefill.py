@@ -130,9 +130,9 @@ def measure(llm: LLM, length: int, count: int, args, rng, flops_per_token: float
                 all_runs_ms=[t * 1e3 for t, _ in runs])
 
 
-def profile_run(llm: LLM, length: int, count: int, rng, top: int):
+def profile_run(llm: LLM, length: int, count: int, rng, top: int, variant: str = "default") -> dict:
     """One more run under torch.profiler: the device's kernel time against the wall time (the rest
-    is the host launching an eager forward), and the `top` kernels by total time."""
+    is the host launching an eager forward), and the `top` kernels by total time -> those figures."""
     from torch.profiler import ProfilerActivity, profile
 
     cfg = llm.model.cfg
@@ -143,10 +143,13 @@ def profile_run(llm: LLM, length: int, count: int, rng, top: int):
              if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
     busy = sum(us for us, _, _ in names) / 1e3
     launches = sum(n for _, n, _ in names)
-    print(f"profiled {length}x{count} ({steps} steps): wall {wall * 1e3:.1f} ms (profiler on), kernels "
-          f"{busy:.1f} ms in {launches} launches ({launches / steps:.0f} a step)")
+    print(f"profiled {length}x{count} ({steps} steps, {variant}): wall {wall * 1e3:.1f} ms (profiler on), "
+          f"kernels {busy:.1f} ms in {launches} launches ({launches / steps:.0f} a step)")
     for us, n, key in sorted(names, reverse=True)[:top]:
         print(f"    {n:>6} x {us / n:8.2f} us = {us / 1e3:8.2f} ms  {key[:100]}")
+    return dict(variant=variant, workload=f"{length}x{count}", steps=steps, wall_ms=wall * 1e3, kernel_ms=busy,
+                launches=launches, launches_per_step=launches / steps,
+                top=[dict(kernel=key, calls=n, ms=us / 1e3) for us, n, key in sorted(names, reverse=True)[:top]])
 
 
 HEADER = (f"{'workload':>10} {'tokens':>7} {'TTFT ms':>9} {'tok/s':>9} {'steps':>5} {'ms/step':>8} "
@@ -209,7 +212,8 @@ def parse_args(argv=None):
                     help="also time each workload with levers off (bench/levers.py: " + ", ".join(LEVERS) +
                          ", pdl; a comma list, '+' joins a group): before and after in one run")
     ap.add_argument("--by-kernel", type=int, default=0, metavar="N",
-                    help="then profile one run of the first workload: device time against wall, N kernels by name")
+                    help="then profile one run of the first workload per variant: device time against wall, "
+                         "launches a step, N kernels by name")
     args = ap.parse_args(argv)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.simulate_tp = args.simulate_tp or (8 if args.device.type == "cuda" else 2)
@@ -270,8 +274,11 @@ def main(argv=None) -> int:
                         rows.append(dict(chunk_size=chunk, variant=variant,
                                          **measure(llm, length, count, args, rng, 2 * active, peak)))
                     print(format_row(rows[-1]) + ("" if variant == "default" else f"  {variant}"), flush=True)
+        profiles = []
         if args.by_kernel and args.device.type == "cuda":
-            profile_run(llm, *args.workloads[0], rng, args.by_kernel)
+            for variant in variants(args):      # each variant's kernels and launches
+                with proj_variant(variant):
+                    profiles.append(profile_run(llm, *args.workloads[0], rng, args.by_kernel, variant))
     finally:
         llm.shutdown()
     if args.json:
@@ -279,7 +286,7 @@ def main(argv=None) -> int:
                    build_s=build_s, active_params=active, peak_flops=peak, chunk_sizes=args.chunk_sizes,
                    max_num_batched_tokens=args.max_num_batched_tokens, collectives=args.collectives,
                    numerics=llm.numerics, dtype=str(llm.dtype).removeprefix("torch."))
-        Path(args.json).write_text(json.dumps(dict(run=run, rows=rows), indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(dict(run=run, rows=rows, profiles=profiles), indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0
 

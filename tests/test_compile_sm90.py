@@ -26,7 +26,8 @@ CASES = ("mhc_pre-T1-bfloat16", "mhc_pre-T3-bfloat16", "mhc_post-T3-bfloat16", "
          "rope_q-bfloat16", "rope-T3-bfloat16", "act_sim-fp8-b128-T1", "act_sim-fp4-b32-T1",
          "route-T1-E16-k3-topk", "route-T3-E8-k4-hashdup", "mhc_head-T3-bfloat16", "kv_prep-T3-csa",
          "kv_prep-T1-hca", "step_tables-B3", "step_tables-B7", "embed-T1-hc4-bfloat16",
-         "mhc_post_pre-T3-bfloat16")
+         "mhc_post_pre-T3-bfloat16", "compress_finish-bfloat16-sim2", "compress_finish-bfloat16-sim1",
+         "compress_pool-r4-split", "compress_pool-r128")
 # (test module, interp_* check) of the other kernel files (the default kernel set's)
 CHECKS = (("test_kernel_proj", "interp_proj"), ("test_kernel_proj", "interp_swiglu_w2"), ("test_kernel_fused_moe", "interp_mxfp4"),
           ("test_kernel_fused_moe", "interp_shared"), ("test_kernel_fused_moe", "interp_sum_in_down"),
@@ -60,7 +61,7 @@ print(json.dumps(dict(glue=glue, checks=other), default=str))
 
 
 # kernels whose first tensor is fp32 in a bf16 model too (scores, sums, split partials)
-FP32_FIRST = {"_topk_kernel", "_sum_kernel", "_combine_kernel"}
+FP32_FIRST = {"_topk_kernel", "_sum_kernel", "_combine_kernel", "_finish_kernel", "_pool_kernel"}
 
 
 def gpu_variant(spec) -> bool:
@@ -83,7 +84,8 @@ def test_kernels_compile_for_sm90():
     assert {"_mhc_pre_kernel", "_mhc_post_kernel", "_compress_kernel", "_sinkhorn_kernel", "_proj_kernel",
             "_gate_up_kernel", "_down_kernel", "_bf16_gemm_kernel", "_topk_kernel", "_split_kernel",
             "_combine_kernel", "_router_kernel", "_align_kernel", "_kv_prep_kernel",
-            "_step_tables_kernel", "_embed_kernel", "_score_kernel", "_mhc_post_pre_kernel"} <= names, names
+            "_step_tables_kernel", "_embed_kernel", "_score_kernel", "_mhc_post_pre_kernel", "_finish_kernel",
+            "_pool_kernel"} <= names, names
     failed = []
     for s in specs:
         try:

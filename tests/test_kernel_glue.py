@@ -406,6 +406,84 @@ def check_compressor(dtype, ratio, D=128, sim=0, B=5, steps=None, dev="cpu", R=6
     return again
 
 
+def check_compress_finish(dtype, D=128, sim=0, E=9, dev="cpu", R=64):
+    """compress_finish (a prefill step's entries, one launch) against compress_finish_ref (the
+    compressor's torch finish): the rows it writes of a NaN pool, and no other, within the dtype's
+    tolerance (the finish is the decode kernel's: check_compressor holds that to its reference)."""
+    from engine.kernels.compressor import compress_finish, compress_finish_ref
+
+    r = gen(dev, seed=11 + sim)
+    c = r(E, D, s=2.0)
+    w = (1 + r(D, s=0.1)).float()
+    rows = 3 * E
+    store = torch.full((rows, D), float("nan"), dtype=dtype, device=dev)
+    store2 = store.clone()
+    loc = torch.randperm(rows)[:E].to(dev)
+    cos, sin = cos_sin(torch.randint(0, 4096, (E,)).to(dev), inv_freq(R, 10000.0, None).to(dev))
+    compress_finish_ref(c, loc, store, w, cos, sin, 1e-6, sim)
+    with poisoned():
+        compress_finish(c, loc, store2, w, cos, sin, 1e-6, sim)
+    assert torch.equal(store2.isnan().all(-1), store.isnan().all(-1)), "rows written differ"
+    ref, got = store[loc], store2[loc]
+    if sim == 0:
+        close(got, ref, tol_for(dtype, dev))
+    else:   # FP8 / FP4 steps are coarse: an ulp apart before rounding may land a step apart, rarely
+        bad = ~torch.isclose(got.float(), ref.float(), atol=1e-2, rtol=1e-2)
+        assert bad.float().mean() < 2e-3, float(bad.float().mean())
+    return lambda: (compress_finish(c, loc, store2, w, cos, sin, 1e-6, sim), store2.clone())[1]
+
+
+def check_compress_pool(ratio, split=False, dev="cpu"):
+    """compress_pool (a prefill step's pooling and the rows its state keeps, one launch) against
+    compress_pool_ref (the compressor's torch bookkeeping) on tests/test_varlen_compress.py's
+    varlen steps (rows that start mid-window, complete no window, one or several; a one-token row
+    left to the decode op): every output; split: on half the channels (a ChannelSplit's rank 1 of 2).
+    Then the whole prefill through either, two chained steps: states and pool rows."""
+    from engine.kernels.compressor import compress_pool, compress_pool_ref
+    from engine.model.compressor import prefill_plan
+    from engine.parallel.sequence import ChannelSplit
+    from test_varlen_compress import CASES, _comp, _inputs
+
+    g = torch.Generator().manual_seed(ratio + split)
+    comp = _comp(ratio, False, g).to(dev)
+    coff, D = (2, comp.head_dim) if ratio == 4 else (1, comp.head_dim)
+    B, n_slots, blocks, bt = len(CASES[ratio][0]), 9, 40, 2 * ratio
+    st = (n_slots, coff * ratio, coff * D)
+    kst, sst = r_(st, g, dev), r_(st, g, dev)
+    store = torch.full((blocks * (bt // ratio), D), float("nan"), device=dev)
+    ref = [kst.clone(), sst.clone(), store.clone()]
+    slots = torch.randperm(n_slots, generator=g)[:B].to(dev)
+    table = (1 + torch.randperm(blocks - 1, generator=g)[:B * 6]).view(B, 6).to(dev)
+    inv = inv_freq(64, 10000.0, None).to(dev)
+    ch = ChannelSplit(D, coff, 2, 1).channels(dev) if split else None
+    for step in CASES[ratio]:
+        inp, inp_ref = _inputs(step, slots, table, bt), _inputs(step, slots, table, bt)
+        for i in (inp, inp_ref):        # the engine's step tables live on the model's device
+            i.ids, i.positions = i.ids.to(dev), i.positions.to(dev)
+        T = sum(n for _, n in step)
+        kv, score = r_((1, T, coff * D), g, dev), r_((1, T, coff * D), g, dev)
+        rows = inp.multi_rows()
+        p = prefill_plan(inp, rows, ratio, ratio if ratio == 4 else 0)
+        x, y = (kv[0], score[0]) if ch is None else (kv[0][:, ch], score[0][:, ch])
+        ks, ss = kst.view(-1, coff * D), sst.view(-1, coff * D)
+        with poisoned():
+            got = compress_pool(x, y, comp.ape, ks, ss, p, ratio, ratio == 4, ch)
+        want = compress_pool_ref(x, y, comp.ape, ks, ss, p, ratio, ratio == 4, ch)
+        assert len(got) == len(want) and all(a.shape == b.shape for a, b in zip(got, want))
+        for a, b in zip(got, want):
+            close(a, b, 1e-5)
+        comp.prefill(kv, score, inp, rows, kst, sst, store, inv, torch.float32, None, pool=compress_pool)
+        comp.prefill(kv, score, inp_ref, rows, *ref, inv, torch.float32, None)
+        for a, b in zip((kst, sst, store), ref):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert (~store.isnan().all(-1)).sum() >= 8
+    return lambda: tuple(compress_pool(x, y, comp.ape, ks, ss, p, ratio, ratio == 4, ch))
+
+
+def r_(shape, g, dev):
+    return torch.randn(shape, generator=g).to(dev)
+
+
 def check_kv_prep(B, dtype, indexer=True, ratio=4, dev="cpu", steps=None, H=3, DH=128, IH=4, ID=64):
     """kv_prep.together(): rope_qkv, the attention's compressor and (indexer) the indexer's
     compressor and rope_q of its queries as one launch == the same four launched one by one, bit
@@ -565,6 +643,15 @@ def _cpu_cases():
                 ch = (128, 32, None)[sim]     # one program a row, four, the default (two at D = 128)
                 cases[f"compressor-r{ratio}-{n}-sim{sim}"] = (check_compressor, dict(dtype=dt, ratio=ratio, sim=sim,
                                                                                       channels=ch))
+    for ratio in (4, 128):
+        for split in (False, True):
+            cases[f"compress_pool-r{ratio}{'-split' if split else ''}"] = (check_compress_pool,
+                                                                          dict(ratio=ratio, split=split))
+    for dt in (F32, BF16):
+        for sim in (0, 1, 2):
+            n = str(dt).split(".")[-1]
+            cases[f"compress_finish-{n}-sim{sim}"] = (check_compress_finish, dict(dtype=dt, sim=sim,
+                                                                                 D=(128, 256, 64)[sim]))
     for fp4, block in ((False, 128), (False, 64), (True, 32)):
         for dt in (F32, BF16):
             n = str(dt).split(".")[-1]
@@ -783,6 +870,23 @@ def test_gpu_compressor(ratio, D, sim, dtype):
     FP4), HCA (ratio 128), 64 rows; then the kernel under graph replay equals it eagerly (the
     last step again: idempotent, so states and pool must come out bit for bit the same)."""
     graph_equals_eager(check_compressor(dtype, ratio, D=D, sim=sim, B=64, steps=ratio + 3, dev="cuda"))
+
+
+@pytest.mark.parametrize("D,sim", [(512, 1), (512, 0), (128, 2)])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@on_gpu
+def test_gpu_compress_finish(D, sim, dtype):
+    """A prefill step's entries at real layouts (CSA / HCA attention entries, d 512 with FP8 KV;
+    indexer keys, d 128, Hadamard + FP4), 1,000 entries; graph replay == eager."""
+    graph_equals_eager(check_compress_finish(dtype, D=D, sim=sim, E=1000, dev="cuda"))
+
+
+@pytest.mark.parametrize("ratio,split", [(4, False), (4, True), (128, False), (128, True)])
+@on_gpu
+def test_gpu_compress_pool(ratio, split):
+    """A prefill step's pooling on the GPU against its torch reference (varlen steps, fp32 as the
+    engine's projections are), the whole prefill's states and pool rows; graph replay == eager."""
+    graph_equals_eager(check_compress_pool(ratio, split, dev="cuda"))
 
 
 @pytest.mark.parametrize("T", TS)

@@ -81,6 +81,8 @@ class Ops:
     route: Callable             # router: scores, top-k or hash ids, renormalise
     fp8_sim: Callable           # act_sim: e4m3 round trip per block
     compress_decode: Callable   # compressor: the compressor's decode step after its projections
+    compress_finish: Callable   # compressor: a prefill step's pooled entries, finished into the pool
+    compress_pool: Callable     # compressor: a prefill step's windows pooled, the rows its state keeps
     fused_moe: Callable         # fused_moe: routed experts on packed MXFP4 / NVFP4 codes
     proj_gemm: Callable         # proj_gemm: (x, Proj) -> {name: y}, the projections sharing x in one GEMM
     swiglu_act: Callable        # swiglu: (g, u, limit, fp8, dtype) -> the shared expert's w2 input
@@ -131,6 +133,8 @@ _TABLE = {
     "route": ("router", "router", "route"),
     "fp8_sim": ("act_sim", "act_sim", "fp8_sim"),
     "compress_decode": ("compressor", "compressor", "compress_decode"),
+    "compress_finish": ("compressor", "compressor", "compress_finish"),
+    "compress_pool": ("compressor", "compressor", "compress_pool"),
     "fused_moe": ("fused_moe", "fused_moe", "fused_moe"),
     "proj_gemm": ("proj_gemm", "proj_gemm", "proj_gemm"),
     "swiglu_act": ("swiglu", "swiglu", "swiglu_act"),

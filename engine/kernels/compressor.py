@@ -17,6 +17,8 @@ above SPLIT_MAX_ROWS rows),
 Rows that complete no window write only their state row (the reference writes its unused
 pooled value to block 0, which nothing reads).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +30,7 @@ from .rms_norm import rms_norm_ref
 from .rope_kv import _rope
 
 SIM_NONE, SIM_FP8, SIM_FP4 = 0, 1, 2
+SIM_CODE = {None: SIM_NONE, "fp8": SIM_FP8, "fp4": SIM_FP4}    # Compressor.sim_of's names
 
 
 @triton.jit
@@ -114,25 +117,35 @@ def compress_program(b, j, args, K: tl.constexpr):
             tl.debug_barrier()
             last = tl.atomic_add(tick_ptr + b, 1, sem="acq_rel", scope="gpu") == NC - 1
         if last:
-            dd = tl.arange(0, D)
             if NC > 1:
                 tl.debug_barrier()
-                o = tl.load(row + dd, cache_modifier=".cg").to(tl.float32)    # at L2: the other SMs' shares
+                o = tl.load(row + tl.arange(0, D), cache_modifier=".cg").to(tl.float32)   # at L2: the other SMs' shares
                 tl.store(tick_ptr + b, 0)                                      # at rest for the next launch
             else:
                 o = c
-            o = o * tl.math.rsqrt(tl.sum(o * o, axis=0) / D + eps)
-            o = round_to(tl.load(w_ptr + dd).to(tl.float32) * o, out_ty)
-            half = tl.arange(0, D // 2) - (D - R) // 2
-            hm = half >= 0
-            cos = tl.load(cos_ptr + b * (R // 2) + half, mask=hm, other=1.0)
-            sin = tl.load(sin_ptr + b * (R // 2) + half, mask=hm, other=0.0)
-            o = round_to(tl.reshape(_rope(tl.reshape(o, (1, D)), cos, sin, 1, D, R), (D,)), out_ty)
-            if SIM == 1:
-                o = tl.where(dd < D - R, round_to(fp8_round_trip(o, D, 64), out_ty), o)
-            if SIM == 2:
-                o = round_to(fp4_round_trip(round_to(tl.reshape(hadamard_rows(tl.reshape(o, (1, D)), hscale, 1, D, LOG_D), (D,)), out_ty), D, 32), out_ty)
-            tl.store(row + dd, o)
+            finish_entry(o, row, w_ptr, cos_ptr + b * (R // 2), sin_ptr + b * (R // 2), eps, hscale, D, R, SIM, LOG_D)
+
+
+@triton.jit
+def finish_entry(o, row, w_ptr, cos_ptr, sin_ptr, eps, hscale, D: tl.constexpr, R: tl.constexpr, SIM: tl.constexpr,
+                 LOG_D: tl.constexpr):
+    """A pooled entry o [D] fp32 (already in row's dtype) -> RMSNorm (weight w), RoPE on the last R
+    channels at cos / sin [R/2], the reference-numerics rounding (SIM: FP8 on the non-rope dims, or
+    Hadamard then FP4), stored at row [D]: what needs every channel of the entry."""
+    out_ty = row.dtype.element_ty
+    dd = tl.arange(0, D)
+    o = o * tl.math.rsqrt(tl.sum(o * o, axis=0) / D + eps)
+    o = round_to(tl.load(w_ptr + dd).to(tl.float32) * o, out_ty)
+    half = tl.arange(0, D // 2) - (D - R) // 2
+    hm = half >= 0
+    cos = tl.load(cos_ptr + half, mask=hm, other=1.0)
+    sin = tl.load(sin_ptr + half, mask=hm, other=0.0)
+    o = round_to(tl.reshape(_rope(tl.reshape(o, (1, D)), cos, sin, 1, D, R), (D,)), out_ty)
+    if SIM == 1:
+        o = tl.where(dd < D - R, round_to(fp8_round_trip(o, D, 64), out_ty), o)
+    if SIM == 2:
+        o = round_to(fp4_round_trip(round_to(tl.reshape(hadamard_rows(tl.reshape(o, (1, D)), hscale, 1, D, LOG_D), (D,)), out_ty), D, 32), out_ty)
+    tl.store(row + dd, o)
 
 
 # Channels per program (the pooling splits over channels; the last program of a row norms it):
@@ -219,3 +232,201 @@ def compress_decode_ref(kv, score, ape, kv_state, score_state, store, slots, pos
         e = emit[:, None, None]
         kv_state[slots, :r] = torch.where(e, st_kv[:, r:], st_kv[:, :r])
         score_state[slots, :r] = torch.where(e, st_sc[:, r:], st_sc[:, :r])
+
+
+# ---- a prefill step's entries: the pooled windows of every chunk, finished in one launch ----
+# (the torch finish is ~15-30 launches a compressor: norm, RoPE, Hadamard, FP8 / FP4 rounding, the
+# store's index_put; a prefill step launches from Python and at 8k tokens its ~5,700 launches
+# could take longer than the GPU's work, bench/RESULTS.md 2026-12-07). bench/levers.py: finish_kernel
+FINISH_KERNEL = True
+@triton.jit
+def _finish_kernel(c_ptr, loc_ptr, store_ptr, w_ptr, cos_ptr, sin_ptr, stride_c, eps, hscale, D: tl.constexpr,
+                   R: tl.constexpr, SIM: tl.constexpr, LOG_D: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
+    e = tl.program_id(0)
+    o = round_to(tl.load(c_ptr + e * stride_c + tl.arange(0, D)).to(tl.float32), store_ptr.dtype.element_ty)
+    row = store_ptr + tl.load(loc_ptr + e).to(tl.int64) * D
+    finish_entry(o, row, w_ptr, cos_ptr + e * (R // 2), sin_ptr + e * (R // 2), eps, hscale, D, R, SIM, LOG_D)
+
+
+def compress_finish(c, loc, store, norm_weight, cos, sin, eps, sim=SIM_NONE):
+    """A prefill step's pooled entries c [E, d] fp32 -> store[loc] (loc [E] rows of the flat pool
+    [rows, d]): rounded to store's dtype, RMSNorm, RoPE at cos / sin [E, R/2] fp32 (the entries'
+    positions), the reference-numerics rounding `sim`; one program an entry, with the decode
+    kernel's finish (finish_entry), so prefill and decode make the same bits of an entry."""
+    if not FINISH_KERNEL:
+        return compress_finish_ref(c, loc, store, norm_weight, cos, sin, eps, sim)
+    E, D = c.shape
+    assert store.shape[-1] == D and D & (D - 1) == 0 and c.stride(-1) == 1 and store.is_contiguous()
+    if E:
+        _finish_kernel[(E,)](c, loc.contiguous(), store, norm_weight.contiguous(), cos.contiguous(), sin.contiguous(),
+                             c.stride(0), eps, D ** -0.5, D=D, R=2 * cos.shape[-1], SIM=sim, LOG_D=D.bit_length() - 1,
+                             num_warps=4, **pdl_args())
+
+
+def compress_finish_ref(c, loc, store, norm_weight, cos, sin, eps, sim=SIM_NONE):
+    """Torch reference of compress_finish (the compressor's finish, engine.model.compressor)."""
+    o = apply_rope(rms_norm_ref(c.to(store.dtype), norm_weight, eps), cos, sin)
+    if sim == SIM_FP4:
+        o = fp4_sim_ref(hadamard(o), 32)
+    elif sim == SIM_FP8:
+        nope = c.shape[-1] - 2 * cos.shape[-1]
+        o = torch.cat((fp8_sim_ref(o[..., :nope], 64), o[..., nope:]), dim=-1)
+    store[loc] = o.to(store.dtype)
+
+
+# ---- a prefill step's pooling: every chunk's complete windows pooled, and the rows the state keeps ----
+# (Compressor.prefill's torch bookkeeping is ~15 launches at HCA and ~27 at CSA's overlapping ratio
+# 4 a compressor: the extended rows, the A halves, the softmax pool, the rows gathered for the state.)
+@triton.jit
+def _ext_rows(x, ok, c, cm, kv_ptr, sc_ptr, ape_ptr, ks_ptr, ss_ptr, src_ptr, apes_ptr, col_ptr,
+              stride_kv, stride_sc, C):
+    """Rows x [N] of the plan's extended order (masked by ok), this rank's columns c [BC] (masked by cm)
+    -> kv, score [N, BC] fp32: a chunk token's projections (its score plus the ape of its slot in
+    the window), or a state row (scored already)."""
+    s = tl.load(src_ptr + x, mask=ok, other=0).to(tl.int64)
+    tok = (s >= 0) & ok
+    old = (s < 0) & ok
+    col = tl.load(col_ptr + c, mask=cm, other=0).to(tl.int64)
+    mt, ms = tok[:, None] & cm[None, :], old[:, None] & cm[None, :]
+    a = tl.load(apes_ptr + x, mask=tok, other=0).to(tl.int64)
+    st = (-s - 1) * C
+    kv = tl.load(kv_ptr + s[:, None] * stride_kv + c[None, :], mask=mt, other=0.0) + \
+        tl.load(ks_ptr + st[:, None] + col[None, :], mask=ms, other=0.0)
+    sc = tl.load(sc_ptr + s[:, None] * stride_sc + c[None, :], mask=mt, other=0.0) + \
+        tl.load(ape_ptr + a[:, None] * C + col[None, :], mask=mt, other=0.0) + \
+        tl.load(ss_ptr + st[:, None] + col[None, :], mask=ms, other=0.0)
+    return kv, sc
+
+
+@triton.jit
+def _online(m, den, acc, k, g):
+    """One chunk of rows k, g [N, BC] into the per-channel online softmax pool (m, den, acc [BC])."""
+    m_new = tl.maximum(m, tl.max(g, axis=0))
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    e = tl.exp(g - base[None, :])
+    keep = tl.exp(m - base)
+    return m_new, den * keep + tl.sum(e, axis=0), acc * keep + tl.sum(k * e, axis=0)
+
+
+@triton.jit
+def _pool_kernel(kv_ptr, sc_ptr, ape_ptr, ks_ptr, ss_ptr, src_ptr, apes_ptr, col_ptr, astate_ptr, outx_ptr,
+                 pooled_ptr, okv_ptr, osc_ptr, E, stride_kv, stride_sc, C, DP, CP,
+                 R: tl.constexpr, OVERLAP: tl.constexpr, BC: tl.constexpr, RB: tl.constexpr,
+                 USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
+    pid = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    args = (kv_ptr, sc_ptr, ape_ptr, ks_ptr, ss_ptr, src_ptr, apes_ptr, col_ptr, stride_kv, stride_sc, C)
+    if pid < E:                      # window pid: the softmax pool of its rows, channels c of d'
+        cm = c < DP
+        m = tl.full([BC], float("-inf"), tl.float32)
+        den = tl.zeros([BC], tl.float32)
+        acc = tl.zeros([BC], tl.float32)
+        if OVERLAP:                  # the A half: the window before, or the state's for a row's first
+            a0 = tl.load(astate_ptr + pid).to(tl.int64)
+            col = tl.load(col_ptr + c, mask=cm, other=0).to(tl.int64)
+            for j0 in range(0, R, RB):
+                j = j0 + tl.arange(0, RB)
+                ok = j < R
+                if a0 >= 0:
+                    mk = ok[:, None] & cm[None, :]
+                    k = tl.load(ks_ptr + (a0 + j)[:, None] * C + col[None, :], mask=mk, other=0.0)
+                    g = tl.load(ss_ptr + (a0 + j)[:, None] * C + col[None, :], mask=mk, other=float("-inf"))
+                else:
+                    k, g = _ext_rows((pid - 1) * R + j, ok, c, cm, *args)
+                    g = tl.where(ok[:, None], g, float("-inf"))
+                m, den, acc = _online(m, den, acc, k, g)
+            cb = c + DP              # the window's own rows pool their B half
+        else:
+            cb = c
+        for j0 in range(0, R, RB):
+            j = j0 + tl.arange(0, RB)
+            ok = j < R
+            k, g = _ext_rows(pid * R + j, ok, cb, cm, *args)
+            g = tl.where(ok[:, None], g, float("-inf"))
+            m, den, acc = _online(m, den, acc, k, g)
+        tl.store(pooled_ptr + pid.to(tl.int64) * DP + c, tl.math.div_rn(acc, den), mask=cm)
+    else:                            # a row the state keeps: one extended row, channels c of C'
+        o = pid - E
+        cm = c < CP
+        x = tl.load(outx_ptr + o + tl.arange(0, 1))
+        kx, gx = _ext_rows(x, x >= 0, c, cm, *args)        # (names of their own: shapes differ from k, g)
+        tl.store(okv_ptr + o.to(tl.int64) * CP + c[None, :], kx, mask=cm[None, :])
+        tl.store(osc_ptr + o.to(tl.int64) * CP + c[None, :], gx, mask=cm[None, :])
+
+
+POOL_KERNEL = True      # False: compress_pool_ref's torch ops (bench/levers.py: pool_kernel)
+
+
+def compress_pool(kv, score, ape, ks, ss, p, ratio, overlap, ch=None):
+    """A prefill step's pooling (Compressor.prefill before the finish): kv, score [T, C'] fp32 (this
+    rank's columns ch of the C, or all C), ape [r, C] fp32, the flat states ks, ss [slots*rows, C]
+    (read, not written), p the step's plan (model/compressor.py prefill_plan) -> the list the
+    prefill stores (after the channel split's all-gather): the pooled entries [E, d'] (if E), at
+    ratio 4 each emitting row's last window kv, score [n, r, C'] (if E), then the open tokens'
+    kv, score [X - E*r, C'] (what stays in the state). One launch."""
+    if not POOL_KERNEL:
+        return compress_pool_ref(kv, score, ape, ks, ss, p, ratio, overlap, ch)
+    E, CP, C = p["E"], kv.shape[-1], ks.shape[-1]
+    DP = CP // 2 if overlap else CP
+    assert kv.stride(-1) == 1 and score.stride(-1) == 1 and ks.is_contiguous() and ss.is_contiguous()
+    col = _columns(C, kv.device) if ch is None else ch
+    outx = p["out_x"]                   # each emitting row's last window (ratio 4), then the open tokens
+    pooled = torch.empty(E, DP, dtype=torch.float32, device=kv.device)
+    okv = torch.empty(outx.shape[0], CP, dtype=torch.float32, device=kv.device)
+    osc = torch.empty_like(okv)
+    if E + outx.shape[0]:
+        bc = min(128, triton.next_power_of_2(max(DP, CP)))
+        _pool_kernel[(E + outx.shape[0], triton.cdiv(max(DP, CP), bc))](
+            kv, score, ape, ks, ss, p["src"], p["ext_ape"], col, p["a_state"], outx, pooled, okv, osc, E,
+            kv.stride(0), score.stride(0), C, DP, CP, R=ratio, OVERLAP=bool(overlap), BC=bc,
+            RB=min(triton.next_power_of_2(ratio), 16), num_warps=4, **pdl_args())
+    n = p["n_last"]
+    made = [pooled] if E else []
+    if E and overlap:
+        made += [okv[:n].view(-1, ratio, CP), osc[:n].view(-1, ratio, CP)]
+    return made + [okv[n:], osc[n:]]
+
+
+@functools.lru_cache(maxsize=16)
+def _columns(C: int, device) -> torch.Tensor:
+    return torch.arange(C, device=device)
+
+
+def compress_pool_ref(kv, score, ape, ks, ss, p, ratio, overlap, ch=None):
+    """Torch reference of compress_pool (same contract): the plan's extended rows (the open windows'
+    earlier tokens from the state, the chunks' tokens plus their ape), each window's softmax pool
+    (ratio 4: the A half of the window before, or of the state's previous window for a row's
+    first), the rows the state keeps."""
+    r, E, Cp = ratio, p["E"], kv.shape[-1]
+    ape = ape if ch is None else ape[:, ch]
+    ext_kv = _extend(ks, kv, p, None, ch)                                   # [X, C']
+    ext_sc = _extend(ss, score, p, ape[p["tk_ape"]], ch)
+    made = []
+    if E:
+        kvw, scw = ext_kv[:E * r].view(E, r, Cp), ext_sc[:E * r].view(E, r, Cp)
+        if overlap:
+            d = Cp // 2
+            a_kv, a_sc = kvw[..., :d].roll(1, 0), scw[..., :d].roll(1, 0)
+            cols = slice(0, d) if ch is None else ch[:d]
+            a_kv[p["first_win"]] = ks.view(-1, 2 * r, ks.shape[-1])[p["emit_slot"], :r][..., cols]
+            a_sc[p["first_win"]] = ss.view(-1, 2 * r, ss.shape[-1])[p["emit_slot"], :r][..., cols]
+            kvw_, scw_ = torch.cat((a_kv, kvw[..., d:]), dim=-2), torch.cat((a_sc, scw[..., d:]), dim=-2)
+        else:
+            kvw_, scw_ = kvw, scw
+        made.append((kvw_ * scw_.softmax(dim=-2)).sum(dim=-2))                 # [E,d']
+        if overlap:        # each row's last complete window is the next entry's A half
+            made += [kvw[p["last_win"]], scw[p["last_win"]]]
+    return made + [ext_kv[E * r:], ext_sc[E * r:]]
+
+
+def _extend(state, new, p, ape, ch=None):
+    """state [slots*coff*r, C] and new tokens [T, C'] (C' = C, or the columns ch) -> [X, C']: the
+    open windows' earlier tokens from the state, the chunks' tokens (plus their ape, if given)
+    from `new`, in plan order."""
+    out = new.new_empty(p["X"], new.shape[-1])
+    out[p["st_pos"]] = state[p["st_idx"]] if ch is None else state[p["st_idx"][:, None], ch]
+    tok = new[p["tk_tok"]]
+    out[p["tk_pos"]] = tok if ape is None else tok + ape
+    return out

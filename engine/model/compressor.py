@@ -14,6 +14,7 @@ from .kv_cache import entry_loc
 from .linear import Linear
 from .norm import RMSNorm
 from .rope import apply_rope, cos_sin
+from ..kernels.compressor import SIM_CODE, compress_finish_ref, compress_pool_ref
 from ..numerics import PLAIN, fp4_sim_ref as fp4_sim, fp8_sim_ref as fp8_sim, hadamard, up
 
 
@@ -72,12 +73,11 @@ class Compressor(nn.Module):
             score = torch.cat((a[1], score[..., d:]), dim=-2)
         return (kv * score.softmax(dim=-2)).sum(dim=-2)
 
-    def finish(self, c: torch.Tensor, entry: torch.Tensor, inv_freq: torch.Tensor, dtype, sim: str | None,
-               rope=None) -> torch.Tensor:
+    def finish(self, c: torch.Tensor, entry: torch.Tensor, inv_freq: torch.Tensor, dtype, sim: str | None) -> torch.Tensor:
         """Pooled entries [B,n,d] at entry indices [n] or [B,n] -> normed, roped cache entries,
-        rounded as `sim` says (sim_of). rope: their (cos, sin), if made already."""
+        rounded as `sim` says (sim_of)."""
         c = self.norm(c.to(dtype))
-        cos, sin = rope if rope is not None else cos_sin(entry * self.ratio, inv_freq)
+        cos, sin = cos_sin(entry * self.ratio, inv_freq)
         c = apply_rope(c, cos, sin)
         if sim == "fp4":
             c = fp4_sim(hadamard(c), 32)
@@ -99,7 +99,8 @@ class Compressor(nn.Module):
 
     # ---- with the engine's cache: running state per sequence slot, entries in the block pool ----
     # (decode: engine.kernels.compressor.compress_decode, called by engine.model.step.compress)
-    def prefill(self, kv, score, inp, rows, kv_state, score_state, store, inv_freq, dtype, sim, part=None):
+    def prefill(self, kv, score, inp, rows, kv_state, score_state, store, inv_freq, dtype, sim, part=None,
+                finish=compress_finish_ref, pool=compress_pool_ref):
         """A prefill step's projections kv, score [1,T,coff*d] fp32 (the wkv / wgate GEMMs, no ape;
         StepInputs' flat layout): each of `rows`' chunk (host row ids) has its completed windows
         become entries in the flat store [rows, d] at once; the open window stays in the state.
@@ -109,56 +110,27 @@ class Compressor(nn.Module):
         parallel.sequence.ChannelSplit when kv, score hold only this rank's channels of them
         (part.channels()): the pool is per channel, so it runs on those, and one all-gather
         (part.gather) makes the pooled entries and the state's new rows whole for the finish,
-        which needs every channel (norm, RoPE, rounding)."""
+        which needs every channel (norm, RoPE, rounding). finish: the op that finishes the step's
+        pooled entries into the store, all at once (kernels/compressor.py: compress_finish or its
+        reference, the finish method's math; the store holds the model's dtype); pool: the op that
+        pools the windows and gathers the rows the state keeps (compress_pool or its reference)."""
         r, C = self.ratio, kv_state.shape[-1]
         p = prefill_plan(inp, rows, r, r if self.overlap else 0)
         ch = None if part is None else part.channels(kv.device)                 # [C'] of the C columns
         ks, ss = kv_state.view(-1, C), score_state.view(-1, C)          # [slots*coff*r, C] views
-        ape = self.ape if ch is None else self.ape[:, ch]
-        # every row's tokens from its open window's start: windows first, then what stays open
-        ext_kv = self._extend(ks, kv[0], p, None, ch)                      # [X, C']
-        ext_sc = self._extend(ss, score[0], p, ape[p["tk_ape"]], ch)
-        E, Cp = p["E"], kv.shape[-1]
-        made = []                       # the pooled entries, each row's last window, the open tokens
-        if E:
-            kvw, scw = ext_kv[:E * r].view(E, r, Cp), ext_sc[:E * r].view(E, r, Cp)
-            a = self._prev_a(kvw, scw, kv_state, score_state, p, ch) if self.overlap else None
-            made.append(self._softpool(kvw, scw, a))                                    # [E,d']
-            if self.overlap:        # each row's last complete window is the next entry's A half
-                made += [kvw[p["last_win"]], scw[p["last_win"]]]
-        made += [ext_kv[E * r:], ext_sc[E * r:]]
+        # the pooled entries, each row's last window (ratio 4), the open tokens: this rank's channels
+        made = pool(kv[0], score[0], self.ape, ks, ss, p, r, self.overlap, ch)
+        E = p["E"]
         if part is not None:
             made = part.gather(made)                                    # every channel: [..., C]
         if E:
             # the entries' RoPE once per step and ratio: the compressors of one ratio share it
-            rope = inp.once(("compress rope", r, tuple(rows)), lambda: cos_sin(p["entry"] * r, inv_freq))
-            c = self.finish(made[0][None], p["entry"], inv_freq, dtype, sim, rope)[0]           # [E,d]
-            store[p["loc"]] = c.to(store.dtype)
+            assert store.dtype == dtype, (store.dtype, dtype)
+            cos, sin = inp.once(("compress rope", r, tuple(rows)), lambda: cos_sin(p["entry"] * r, inv_freq))
+            finish(made[0], p["loc"], store, self.norm.weight, cos, sin, self.norm.eps, SIM_CODE[sim])   # [E,d]
             if self.overlap:
                 kv_state[p["emit_slot"], :r], score_state[p["emit_slot"], :r] = made[1], made[2]
         ks[p["rest_idx"]], ss[p["rest_idx"]] = made[-2], made[-1]
-
-    @staticmethod
-    def _extend(state, new, p, ape, ch=None):
-        """state [slots*coff*r, C] and new tokens [T, C'] (C' = C, or the columns ch) -> [X, C']: the
-        open windows' earlier tokens from the state, the chunks' tokens (plus their ape, if given)
-        from `new`, in plan order."""
-        out = new.new_empty(p["X"], new.shape[-1])
-        out[p["st_pos"]] = state[p["st_idx"]] if ch is None else state[p["st_idx"][:, None], ch]
-        tok = new[p["tk_tok"]]
-        out[p["tk_pos"]] = tok if ape is None else tok + ape
-        return out
-
-    def _prev_a(self, kvw, scw, kv_state, score_state, p, ch=None):
-        """Ratio 4: the A halves [E,r,d] each window pools: the window before it in the same row,
-        or for a row's first window the state's previous window (read before it is overwritten).
-        ch: the columns kvw holds (A's first), else all."""
-        d, r = kvw.shape[-1] // 2, self.ratio
-        a_kv, a_sc = kvw[..., :d].roll(1, 0), scw[..., :d].roll(1, 0)
-        cols = slice(0, d) if ch is None else ch[:d]
-        a_kv[p["first_win"]] = kv_state[p["emit_slot"], :r][..., cols]
-        a_sc[p["first_win"]] = score_state[p["emit_slot"], :r][..., cols]
-        return a_kv, a_sc
 
     def prefill_ref(self, kv, score, inp, rows, kv_state, score_state, store, inv_freq, dtype, sim):
         """prefill a row at a time (the reference tests/test_varlen_compress.py holds it to)."""
@@ -226,7 +198,15 @@ def _host_plan(inp, rows: list[int], r: int, off: int) -> dict:
              win_row=rid[win_own], entry=w0[win_own] + k,
              emit_row=rid[emit], first_win=(ends - n_emit)[emit], last_win=(ends - 1)[emit],
              rest_row=rid[own_r], rest_local=off + i_r - W[own_r])
-    return dict(t, X=len(own), E=int(n_emit.sum()))
+    # compress_pool's gathers: each extended row's source (a token, or -1: a state row), its ape
+    # slot, its row; each window's first-or-not; the rows the state keeps, in made's order
+    ext_tok = torch.full((len(own),), -1, dtype=torch.long)
+    ext_tok[tk_pos] = t["tk_tok"]
+    last = (t["last_win"][:, None] * r + torch.arange(r)).flatten() if off else torch.zeros(0, dtype=torch.long)
+    E = int(n_emit.sum())
+    t.update(ext_tok=ext_tok, ext_ape=i % r, ext_row=rid[own], ext_local=off + i, win_first=(k == 0).long(),
+             out_x=torch.cat((last, E * r + torch.arange(len(own) - E * r))))
+    return dict(t, X=len(own), E=E, n_last=len(last))
 
 
 def prefill_plan(inp, rows: list[int], r: int, off: int) -> dict:
@@ -236,11 +216,13 @@ def prefill_plan(inp, rows: list[int], r: int, off: int) -> dict:
         h = _host_plan(inp, rows, r, off)
         names = [k for k, v in h.items() if torch.is_tensor(v)]
         flat = torch.cat([h[k] for k in names]).to(inp.ids.device)
-        p = dict(zip(names, flat.split([len(h[k]) for k in names])), X=h["X"], E=h["E"])
+        p = dict(zip(names, flat.split([len(h[k]) for k in names])), X=h["X"], E=h["E"], n_last=h["n_last"])
         S, slots = off + r, inp.slots                        # state rows per slot
         p["st_idx"] = slots[p["st_row"]] * S + p["st_local"]
         p["rest_idx"] = slots[p["rest_row"]] * S + p["rest_local"]
         p["emit_slot"] = slots[p["emit_row"]]
+        p["src"] = torch.where(p["ext_tok"] >= 0, p["ext_tok"], -(slots[p["ext_row"]] * S + p["ext_local"]) - 1)
+        p["a_state"] = torch.where(p["win_first"] > 0, slots[p["win_row"]] * S, -1)
         p["loc"] = entry_loc(inp.block_table[p["win_row"]], inp.block_tokens, p["entry"][:, None], r)[:, 0]
         return p
     return inp.once(("compress plan", r, tuple(rows)), make)

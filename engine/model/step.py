@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import Ops
-from ..kernels.compressor import SIM_FP4, SIM_FP8, SIM_NONE
+from ..kernels.compressor import SIM_CODE
 from ..kernels.fused_moe import takes_shared
 from ..kernels.kv_prep import fuses, together
 from ..kernels.step_tables import entry_rows_ref, window_rows_ref
@@ -353,7 +353,7 @@ def compress(c: Compressor, kv: torch.Tensor, score: torch.Tensor, inp: StepInpu
     score hold only this rank's channels (a split step, channel_parts): the decode op gets its
     rows' every channel by an all-gather, the prefill pools the share and gathers the result."""
     sim = c.sim_of(num)
-    code = {None: SIM_NONE, "fp8": SIM_FP8, "fp4": SIM_FP4}[sim]
+    code = SIM_CODE[sim]
     if inp.decode:
         cos, sin = entry_cos_sin(inp, c.ratio, inv_freq)
         return ops.compress_decode(kv[:, 0], score[:, 0], c.ape, kv_state, score_state, store.flatten(0, 1),
@@ -368,7 +368,8 @@ def compress(c: Compressor, kv: torch.Tensor, score: torch.Tensor, inp: StepInpu
                             inp.positions[0, t, None], inp.block_table[b], inp.block_tokens, c.norm.weight,
                             cos[0, t], sin[0, t], c.norm.eps, c.ratio, code)
     if rows:
-        c.prefill(kv, score, inp, rows, kv_state, score_state, store.flatten(0, 1), inv_freq, dtype, sim, part)
+        c.prefill(kv, score, inp, rows, kv_state, score_state, store.flatten(0, 1), inv_freq, dtype, sim, part,
+                  ops.compress_finish, ops.compress_pool)
 
 
 def entry_cos_sin(inp: StepInputs, ratio: int, inv_freq: torch.Tensor):
